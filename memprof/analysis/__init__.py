@@ -1,0 +1,1 @@
+"""Pure analysis of traces: allocator replay, timeline, peak, sites, categories."""

@@ -1,0 +1,448 @@
+"""A simulator of PyTorch's CUDA caching allocator (``c10/cuda/CUDACachingAllocator.cpp``).
+
+It holds segments split into blocks and applies the allocator's rules: request
+rounding, small/large pools per stream and private pool, best fit (smallest block,
+then lowest address), splitting, merging on free, oversize blocks under
+``max_split_size``, garbage collection and expandable segments. Given an address it
+follows a recording; without one it predicts where the allocator would place a block.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from memprof.trace.model import AllocatorSettings
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20  # requests up to this size use the small pool
+SMALL_BUFFER = 2 << 20  # small-pool segment size
+MIN_LARGE_ALLOC = 10 << 20
+LARGE_BUFFER = 20 << 20
+ROUND_LARGE = 2 << 20
+DEFAULT_POOL = (0, 0)
+
+
+class Block:
+    """A contiguous range of a segment, allocated or free (``slots`` for speed)."""
+
+    __slots__ = ("addr", "allocated", "cached", "mapped", "next", "prev", "requested", "seg", "size")
+
+    def __init__(self, addr: int, size: int, seg: Segment, mapped: bool = True) -> None:
+        self.addr = addr
+        self.size = size
+        self.seg = seg
+        self.requested = 0
+        self.allocated = False  # counted in the allocated stat (until free_requested)
+        self.cached = True  # in its pool's free list (from free_completed on)
+        self.mapped = mapped
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+
+class Segment:
+    """Device memory from one cudaMalloc (or one expandable range); blocks tile it."""
+
+    __slots__ = ("addr", "expandable", "first", "pool", "small", "stream", "total")
+
+    def __init__(self, addr: int, total: int, stream: int, pool: tuple[int, int], small: bool,
+                 expandable: bool = False) -> None:
+        self.addr = addr
+        self.total = total
+        self.stream = stream
+        self.pool = pool
+        self.small = small
+        self.expandable = expandable
+        self.first: Block | None = None
+
+    def blocks(self) -> list[Block]:
+        out, b = [], self.first
+        while b is not None:
+            out.append(b)
+            b = b.next
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class FreeBlockStats:
+    """Cached (reserved, unallocated) memory: total, largest block, count."""
+
+    free_bytes: int
+    largest_block: int
+    blocks: int
+
+
+class UnsupportedSettings(ValueError):
+    """Settings the simulator does not model (e.g. the cudaMallocAsync backend)."""
+
+
+class CachingAllocator:
+    """The allocator state of one device, with the policy of PyTorch's native backend."""
+
+    def __init__(self, settings: AllocatorSettings | None = None) -> None:
+        self.settings = settings or AllocatorSettings()
+        if self.settings.backend != "native":
+            raise UnsupportedSettings(f"allocator backend {self.settings.backend} is not modelled")
+        self.max_split = self.settings.max_split_size or (1 << 63) - 1
+        # free blocks per (pool id, small?), kept sorted by (stream, size, addr)
+        self._free: dict[tuple[tuple[int, int], bool], list[tuple[int, int, int]]] = {}
+        self._blocks: dict[int, Block] = {}  # every block, by start address
+        self.segments: dict[int, Segment] = {}
+        self.allocated = 0  # block bytes held by tensors (max_memory_allocated's stat)
+        self.requested = 0
+        self.reserved = 0
+        self.cached_bytes = 0  # reserved bytes in free lists
+        # per (pool, small?, stream): [segments, reserved bytes, allocated bytes]
+        self.groups: dict[tuple[tuple[int, int], bool, int], list[int]] = {}
+        self._next_synthetic = 1 << 48
+
+    # -- sizes -------------------------------------------------------------------------
+
+    def round_size(self, size: int) -> int:
+        """The block size a request of ``size`` bytes is rounded to."""
+        if size < MIN_BLOCK:
+            return MIN_BLOCK
+        divisions = self._divisions(size)
+        if divisions > 1 and size > MIN_BLOCK * divisions:
+            return self._roundup_power2_next_division(size, divisions)
+        return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+
+    def _divisions(self, size: int) -> int:
+        table = self.settings.roundup_power2_divisions
+        if not table:
+            return 0
+        # slot i covers [2^i MiB, 2^(i+1) MiB); smaller sizes use slot 0, larger the last
+        index = max(0, size.bit_length() - 21)
+        return table[min(index, len(table) - 1)]
+
+    @staticmethod
+    def _roundup_power2_next_division(size: int, divisions: int) -> int:
+        if size & (size - 1) == 0:
+            return size
+        power2_floor = 1 << (size.bit_length() - 1)
+        step = max(power2_floor // divisions, 1)
+        return power2_floor + step * ((size - power2_floor + step - 1) // step)
+
+    @staticmethod
+    def segment_size(rounded: int) -> int:
+        """How much a new segment for a block of ``rounded`` bytes obtains from the device."""
+        if rounded <= SMALL_SIZE:
+            return SMALL_BUFFER
+        if rounded < MIN_LARGE_ALLOC:
+            return LARGE_BUFFER
+        return ROUND_LARGE * ((rounded + ROUND_LARGE - 1) // ROUND_LARGE)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def add_segment(self, addr: int, total: int, stream: int = 0,
+                    pool: tuple[int, int] = DEFAULT_POOL, small: bool | None = None,
+                    expandable: bool = False) -> Segment:
+        """Add a segment of ``total`` free bytes (a cudaMalloc, or one found in a recording)."""
+        small = total <= SMALL_BUFFER if small is None else small
+        seg = Segment(addr, total, stream, pool, small, expandable)
+        block = Block(addr, total, seg)
+        seg.first = block
+        self.segments[addr] = seg
+        self._blocks[addr] = block
+        self._insert_free(block)
+        self.reserved += total
+        group = self.groups.setdefault((pool, seg.small, stream), [0, 0, 0])
+        group[0] += 1
+        group[1] += total
+        return seg
+
+    def remove_segment(self, seg: Segment) -> None:
+        """Give a wholly free segment back to the device (cudaFree)."""
+        block = seg.first
+        assert block is not None and block.next is None and block.cached
+        self._remove_free(block)
+        del self._blocks[block.addr]
+        del self.segments[seg.addr]
+        self.reserved -= seg.total
+        group = self.groups[(seg.pool, seg.small, seg.stream)]
+        group[0] -= 1
+        group[1] -= seg.total
+
+    def block_at(self, addr: int) -> Block | None:
+        return self._blocks.get(addr)
+
+    def containing(self, addr: int) -> Block | None:
+        """The block whose range holds ``addr`` (slow path: scans segments)."""
+        for seg in self.segments.values():
+            if seg.addr <= addr < seg.addr + seg.total:
+                b = seg.first
+                while b is not None and not (b.addr <= addr < b.addr + b.size):
+                    b = b.next
+                return b
+        return None
+
+    def free_stats(self) -> FreeBlockStats:
+        """Cached free memory now: total, largest block (what a request can get), count."""
+        largest, count = 0, 0
+        for keys in self._free.values():
+            if keys:
+                count += len(keys)
+                # sorted by (stream, size, addr): with one stream the last block is the largest
+                top = keys[-1][1] if keys[0][0] == keys[-1][0] else max(k[1] for k in keys)
+                largest = max(largest, top)
+        return FreeBlockStats(self.cached_bytes, largest, count)
+
+    # -- policy --------------------------------------------------------------------------
+
+    def pool_key(self, rounded: int, pool: tuple[int, int]) -> tuple[tuple[int, int], bool]:
+        return (pool, rounded <= SMALL_SIZE)
+
+    def find_free(self, rounded: int, stream: int, pool: tuple[int, int]) -> Block | None:
+        """The cached block best fit would take for ``rounded`` bytes, or None."""
+        keys = self._free.get(self.pool_key(rounded, pool))
+        if not keys:
+            return None
+        i = bisect.bisect_left(keys, (stream, rounded, 0))
+        if i == len(keys) or keys[i][0] != stream:
+            return None
+        size = keys[i][1]
+        if rounded < self.max_split <= size:
+            return None  # no oversize block for a request that would split it
+        if rounded >= self.max_split and size >= rounded + LARGE_BUFFER:
+            return None  # an oversize request takes an oversize block only if it is close
+        return self._blocks[keys[i][2]]
+
+    def should_split(self, block: Block, rounded: int) -> bool:
+        remaining = block.size - rounded
+        if block.seg.small or self.settings.expandable_segments:
+            return remaining >= MIN_BLOCK
+        return rounded < self.max_split and remaining > SMALL_SIZE
+
+    def malloc(self, requested: int, stream: int = 0, pool: tuple[int, int] = DEFAULT_POOL,
+               at: int | None = None) -> Block:
+        """Allocate ``requested`` bytes; ``at`` forces the address a recording chose."""
+        rounded = self.round_size(requested)
+        if at is None:
+            block = self.find_free(rounded, stream, pool)
+            if block is None and self.settings.expandable_segments:
+                block = self._grow(rounded, stream, pool)
+            elif block is None:
+                self.release_to_fit(rounded)
+                seg = self.add_segment(self._synthetic_address(rounded), self.segment_size(rounded),
+                                       stream, pool, rounded <= SMALL_SIZE)
+                block = seg.first
+        else:
+            block = self._blocks.get(at)
+            if block is None or not block.cached:
+                block = self._carve(at)
+        assert block is not None
+        self._remove_free(block)
+        if self.should_split(block, rounded):
+            self._split(block, rounded)
+        return self._hand_out(block, requested)
+
+    def free(self, block: Block) -> None:
+        """Return a block to its pool, merging it with free neighbours (free_completed)."""
+        if block.allocated:
+            self.release_stats(block)
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.cached and neighbour.mapped == block.mapped:
+                self._merge(block, neighbour)
+        block.cached = True
+        self._insert_free(block)
+
+    def release_stats(self, block: Block) -> None:
+        """Stop counting ``block`` as allocated (free_requested); it is reused only once freed."""
+        block.allocated = False
+        self.allocated -= block.size
+        self.groups[(block.seg.pool, block.seg.small, block.seg.stream)][2] -= block.size
+        self.requested -= block.requested
+
+    def release_to_fit(self, rounded: int) -> None:
+        """Hook for a device limit; the unconstrained simulator never needs to release."""
+
+    # -- expandable segments --------------------------------------------------------------
+
+    @staticmethod
+    def page_size(small: bool) -> int:
+        return SMALL_BUFFER if small else LARGE_BUFFER
+
+    def map_pages(self, addr: int, size: int, stream: int = 0,
+                  pool: tuple[int, int] = DEFAULT_POOL, small: bool | None = None) -> Segment:
+        """Map ``size`` bytes at ``addr`` (segment_map): grow the range it extends, or start one.
+
+        Each contiguous mapped range is one segment, as snapshots report them.
+        """
+        for seg in self.segments.values():
+            if seg.expandable and seg.stream == stream and seg.addr + seg.total == addr:
+                break
+        else:
+            small = size % LARGE_BUFFER != 0 if small is None else small
+            return self.add_segment(addr, size, stream, pool, small, expandable=True)
+        last = seg.first
+        while last is not None and last.next is not None:
+            last = last.next
+        assert last is not None
+        if last.cached:
+            self._remove_free(last)
+            last.size += size
+            self._insert_free(last)
+        else:
+            tail = Block(addr, size, seg)
+            tail.prev, last.next = last, tail
+            self._blocks[addr] = tail
+            self._insert_free(tail)
+        seg.total += size
+        self.reserved += size
+        self.groups[(seg.pool, seg.small, seg.stream)][1] += size
+        return seg
+
+    def unmap_pages(self, addr: int, size: int) -> None:
+        """Unmap free pages ``[addr, addr + size)`` (segment_unmap), cutting their range in two."""
+        block = self._blocks.get(addr)
+        if block is None or not block.cached:
+            block = self._carve(addr)
+        self._remove_free(block)
+        if block.size > size:
+            self._split(block, size)
+        seg, before, after = block.seg, block.prev, block.next
+        del self._blocks[block.addr]
+        group = self.groups[(seg.pool, seg.small, seg.stream)]
+        group[0] -= 1
+        group[1] -= seg.total
+        self.reserved -= seg.total
+        del self.segments[seg.addr]
+        for first, last in ((seg.first if before else None, before), (after, None)):
+            if first is None:
+                continue
+            first.prev = None
+            if last is not None:
+                last.next = None
+            part = Segment(first.addr, 0, seg.stream, seg.pool, seg.small, True)
+            part.first, b = first, first
+            while b is not None:
+                b.seg = part
+                part.total += b.size
+                b = b.next
+            self.segments[part.addr] = part
+            self.reserved += part.total
+            group[0] += 1
+            group[1] += part.total
+
+    def grow_plan(self, rounded: int, stream: int, pool: tuple[int, int]) -> tuple[int, int]:
+        """Where a block of ``rounded`` bytes would start and how many bytes must be mapped.
+
+        The pages go at the end of the stream's last range, after its free tail; -1 for
+        the address means a new range.
+        """
+        small = rounded <= SMALL_SIZE
+        page = self.page_size(small)
+        ranges = [s for s in self.segments.values()
+                  if s.expandable and s.stream == stream and s.pool == pool and s.small == small]
+        seg = max(ranges, key=lambda s: s.addr, default=None)
+        if seg is None:
+            return -1, -(-rounded // page) * page
+        last = seg.blocks()[-1]
+        free_tail = last.size if last.cached else 0
+        return seg.addr + seg.total - free_tail, -(-(rounded - free_tail) // page) * page
+
+    def _grow(self, rounded: int, stream: int, pool: tuple[int, int]) -> Block:
+        addr, need = self.grow_plan(rounded, stream, pool)
+        last = self.block_at(addr) if addr >= 0 else None
+        map_at = self._synthetic_address(1 << 40) if addr < 0 else addr + (last.size if last else 0)
+        seg = self.map_pages(map_at, need, stream, pool, rounded <= SMALL_SIZE)
+        return seg.blocks()[-1]
+
+    def release_cached(self) -> int:
+        """Free every wholly free segment (``torch.cuda.empty_cache()``); bytes released."""
+        released = 0
+        for seg in list(self.segments.values()):
+            b = seg.first
+            if b is not None and b.next is None and b.cached:
+                released += seg.total
+                self.remove_segment(seg)
+        return released
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _merge(self, block: Block, other: Block) -> None:
+        self._remove_free(other)
+        del self._blocks[other.addr]
+        if other is block.prev:
+            del self._blocks[block.addr]
+            block.addr = other.addr
+            block.prev = other.prev
+            if other.prev is not None:
+                other.prev.next = block
+            else:
+                block.seg.first = block
+            self._blocks[block.addr] = block
+        else:
+            block.next = other.next
+            if other.next is not None:
+                other.next.prev = block
+        block.size += other.size
+
+    def _carve(self, addr: int) -> Block:
+        """Split a free block so that one starts at ``addr`` (a recording diverged from us)."""
+        block = self.containing(addr)
+        if block is None or not block.cached:
+            raise KeyError(addr)
+        self._remove_free(block)
+        tail = self._split(block, addr - block.addr)
+        self._insert_free(block)
+        return tail
+
+    def _split(self, block: Block, size: int) -> Block:
+        """Cut ``block`` to ``size`` bytes; the rest becomes a free block after it."""
+        rest = Block(block.addr + size, block.size - size, block.seg, block.mapped)
+        rest.prev, rest.next = block, block.next
+        if block.next is not None:
+            block.next.prev = rest
+        block.next = rest
+        block.size = size
+        self._blocks[rest.addr] = rest
+        self._insert_free(rest)
+        return rest
+
+    def _hand_out(self, block: Block, requested: int) -> Block:
+        block.cached = False
+        block.allocated = True
+        block.requested = requested
+        self.allocated += block.size
+        self.groups[(block.seg.pool, block.seg.small, block.seg.stream)][2] += block.size
+        self.requested += requested
+        return block
+
+    def _free_keys(self, block: Block) -> list[tuple[int, int, int]]:
+        return self._free.setdefault((block.seg.pool, block.seg.small), [])
+
+    def _insert_free(self, block: Block) -> None:
+        bisect.insort(self._free_keys(block), (block.seg.stream, block.size, block.addr))
+        self.cached_bytes += block.size
+
+    def _remove_free(self, block: Block) -> None:
+        keys = self._free_keys(block)
+        key = (block.seg.stream, block.size, block.addr)
+        i = bisect.bisect_left(keys, key)
+        if i < len(keys) and keys[i] == key:
+            del keys[i]
+            self.cached_bytes -= block.size
+
+    def _synthetic_address(self, size: int) -> int:
+        """An address for a segment the simulator creates, apart from every other one."""
+        addr = self._next_synthetic
+        self._next_synthetic += max(self.segment_size(size), size) + ROUND_LARGE
+        return addr
+
+    def occupy(self, addr: int, size: int, requested: int, counted: bool = True) -> Block:
+        """Take ``[addr, addr + size)`` as found in a recording's state.
+
+        ``counted=False`` is a block whose free was requested but not yet completed:
+        not allocated any more, not reusable yet.
+        """
+        block = self._blocks.get(addr)
+        if block is None or not block.cached:
+            block = self._carve(addr)
+        self._remove_free(block)
+        if block.size > size:
+            self._split(block, size)
+        self._hand_out(block, requested)
+        if not counted:
+            self.release_stats(block)
+        return block

@@ -1,0 +1,311 @@
+"""Replay a device's trace through the allocator simulator.
+
+The trace is a ring buffer: blocks and segments may predate its first event. The
+state at the first event is rebuilt backwards from the final segments, then the
+events are replayed forwards. At each allocation the simulator's own choice is
+compared with the recorded one (check mode), then the recorded choice is applied,
+so one divergence never cascades. The result gives exact block bytes per
+allocation, the allocated/reserved timelines and the allocator state at the peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memprof.analysis.allocator import (
+    LARGE_BUFFER,
+    SMALL_BUFFER,
+    Block,
+    CachingAllocator,
+    FreeBlockStats,
+)
+from memprof.trace.model import Action, AllocatorSettings, DeviceTrace, Frames, Segment
+
+
+@dataclass(slots=True)
+class InitialBlock:
+    """A block already allocated when the recorded window opened."""
+
+    addr: int
+    size: int
+    requested: int
+    end: int  # index of the event that released it; len(trace) if alive at the end
+    frames: Frames
+
+
+@dataclass(slots=True)
+class Check:
+    """How well the simulator's own decisions reproduce a recording."""
+
+    decisions_total: int = 0
+    decisions_matched: int = 0
+    segments_predicted: int = 0
+    segments_recorded: int = 0
+    addresses_total: int = 0
+    addresses_matched: int = 0
+    inconsistencies: int = 0
+    first_mismatch: int | None = None
+
+    def decision(self, index: int, predicted_new: bool, recorded_new: bool, same: bool) -> None:
+        self.decisions_total += 1
+        self.segments_predicted += predicted_new
+        self.segments_recorded += recorded_new
+        self.decisions_matched += same
+        if not same and self.first_mismatch is None:
+            self.first_mismatch = index
+
+
+@dataclass(slots=True)
+class PoolState:
+    """Segments of one pool and stream at a moment."""
+
+    pool: str
+    stream: int
+    segments: int
+    reserved_bytes: int
+    allocated_bytes: int
+
+
+@dataclass(slots=True)
+class Moment:
+    """Allocator state captured at one event (the peak, an OOM)."""
+
+    index: int
+    allocated: int
+    reserved: int
+    free: FreeBlockStats
+    pools: list[PoolState]
+
+
+@dataclass(slots=True)
+class Replay:
+    """The result of replaying one device's trace."""
+
+    device: int
+    allocated: np.ndarray  # int64 block bytes after each event
+    reserved: np.ndarray  # int64 after each event
+    block_size: np.ndarray  # int64 block size of each alloc event, 0 elsewhere
+    end: np.ndarray  # int64: for alloc events, the index of its free (len if alive at the end)
+    initial: list[InitialBlock]
+    initial_allocated: int
+    initial_reserved: int
+    peak: Moment
+    ooms: list[Moment]
+    check: Check
+    final: Moment
+    notes: list[str] = field(default_factory=list)
+
+
+def pool_name(pool: tuple[int, int], small: bool) -> str:
+    kind = "small" if small else "large"
+    return kind if pool == (0, 0) else f"{kind} (private pool {pool[0]},{pool[1]})"
+
+
+def capture(alloc: CachingAllocator, index: int) -> Moment:
+    """Summarise the allocator state now."""
+    pools = [PoolState(pool_name(pool, small), stream, *v)
+             for (pool, small, stream), v in sorted(alloc.groups.items()) if v[0]]
+    return Moment(index, alloc.allocated, alloc.reserved, alloc.free_stats(), pools)
+
+
+def replay(trace: DeviceTrace | None, segments: list[Segment],
+           settings: AllocatorSettings | None = None) -> Replay:
+    """Replay ``trace`` (which ends in the state ``segments``) and check it against them."""
+    settings = settings or AllocatorSettings()
+    n = 0 if trace is None else len(trace)
+    actions = [] if trace is None else trace.action.tolist()
+    addrs = [] if trace is None else trace.addr.tolist()
+    sizes = [] if trace is None else trace.size.tolist()
+    streams = [] if trace is None else trace.stream.tolist()
+
+    alloc = CachingAllocator(settings)
+    initial = _rebuild_start(alloc, segments, actions, addrs, sizes, streams)
+    initial_allocated, initial_reserved = alloc.allocated, alloc.reserved
+    pools = {s.address: s.pool_id for s in segments}
+
+    block_size = np.zeros(n, np.int64)
+    end = np.full(n, n, np.int64)
+    delta_alloc = np.zeros(n, np.int64)
+    delta_res = np.zeros(n, np.int64)
+    live: dict[int, tuple[Block | None, int]] = {b.addr: (alloc.block_at(b.addr), -1)
+                                                 for b in initial}
+    initial_by_addr = {b.addr: b for b in initial}
+    check = Check()
+    pending: list[tuple[int, int, int, int]] = []  # segment growth, applied after predicting
+    peak_value, peak = alloc.allocated, capture(alloc, -1)
+    ooms: list[Moment] = []
+
+    for i in range(n):
+        action, addr, size = actions[i], addrs[i], sizes[i]
+        if pending and action != Action.ALLOC and not _is_segment_growth(action):
+            _apply_growth(alloc, pending, pools)  # growth no allocation followed
+            pending = []
+        if action == Action.ALLOC:
+            rounded = alloc.round_size(size)
+            pool = pools.get(addr, (0, 0))
+            predicted = alloc.find_free(rounded, streams[i], pool)
+            grown = sum(p[2] for p in pending)
+            if predicted is not None:
+                guess_addr, guess_growth = predicted.addr, 0
+            elif settings.expandable_segments:
+                guess_addr, guess_growth = alloc.grow_plan(rounded, streams[i], pool)
+            else:
+                guess_addr, guess_growth = -1, alloc.segment_size(rounded)
+            if guess_addr < 0 and pending:
+                guess_addr = pending[0][1]  # a new segment's address is the device's choice
+            check.decision(i, predicted is None, bool(pending), guess_growth == grown)
+            check.addresses_total += 1
+            check.addresses_matched += guess_addr == addr
+            if pending:
+                _apply_growth(alloc, pending, pools)
+                pending = []
+            try:
+                block: Block | None = alloc.malloc(size, streams[i], at=addr)
+                taken = block.size
+            except KeyError:
+                check.inconsistencies += 1
+                block, taken = None, rounded
+                alloc.allocated += taken
+            block_size[i] = delta_alloc[i] = taken
+            live[addr] = (block, i)
+        elif action == Action.FREE_REQUESTED or action == Action.FREE_COMPLETED:
+            entry = live.get(addr)
+            if entry is None:
+                if action == Action.FREE_REQUESTED:
+                    check.inconsistencies += 1
+                continue
+            block, start = entry
+            if block is None or block.allocated:
+                taken = block.size if block is not None else block_size[start]
+                delta_alloc[i] = -taken
+                if block is None:
+                    alloc.allocated -= taken
+                else:
+                    alloc.release_stats(block)
+                if start >= 0:
+                    end[start] = i
+                else:
+                    initial_by_addr[addr].end = i
+            if action == Action.FREE_COMPLETED:
+                del live[addr]
+                if block is not None:
+                    alloc.free(block)
+        elif _is_segment_growth(action):
+            delta_res[i] = size
+            pending.append((action, addr, size, streams[i]))
+        elif action == Action.SEGMENT_FREE or action == Action.SEGMENT_UNMAP:
+            try:
+                if action == Action.SEGMENT_FREE:
+                    alloc.remove_segment(alloc.segments[addr])
+                else:
+                    alloc.unmap_pages(addr, size)
+                delta_res[i] = -size
+            except (KeyError, AssertionError):
+                check.inconsistencies += 1
+        elif action == Action.OOM:
+            ooms.append(capture(alloc, i))
+        if alloc.allocated > peak_value:
+            peak_value, peak = alloc.allocated, capture(alloc, i)
+
+    return Replay(
+        device=-1 if trace is None else trace.device,
+        allocated=initial_allocated + np.cumsum(delta_alloc),
+        reserved=initial_reserved + np.cumsum(delta_res),
+        block_size=block_size,
+        end=end,
+        initial=initial,
+        initial_allocated=initial_allocated,
+        initial_reserved=initial_reserved,
+        peak=peak,
+        ooms=ooms,
+        check=check,
+        final=capture(alloc, n - 1),
+    )
+
+
+def _is_segment_growth(action: int) -> bool:
+    return action == Action.SEGMENT_ALLOC or action == Action.SEGMENT_MAP
+
+
+def _apply_growth(alloc: CachingAllocator, growth: list[tuple[int, int, int, int]],
+                  pools: dict[int, tuple[int, int]]) -> None:
+    for action, addr, size, stream in growth:
+        pool = pools.get(addr, (0, 0))
+        if action == Action.SEGMENT_ALLOC:
+            alloc.add_segment(addr, size, stream, pool, size <= SMALL_BUFFER)
+        else:
+            alloc.map_pages(addr, size, stream, pool)
+
+
+def _rebuild_start(alloc: CachingAllocator, segments: list[Segment], actions: list[int],
+                   addrs: list[int], sizes: list[int], streams: list[int]
+                   ) -> list[InitialBlock]:
+    """Load ``alloc`` with the state before the first event; return the blocks live then."""
+    segs = {s.address: (s.total_size, s.stream, s.pool_id, s.is_small, s.is_expandable)
+            for s in segments}
+    known = {b.address: b for s in segments for b in s.blocks if b.occupied}
+    live: dict[int, tuple[int | None, int, bool]] = {
+        a: (b.size, b.requested_size, b.allocated) for a, b in known.items()}
+    for i in range(len(actions) - 1, -1, -1):
+        action, addr, size = actions[i], addrs[i], sizes[i]
+        if action == Action.SEGMENT_ALLOC:
+            segs.pop(addr, None)
+        elif action == Action.SEGMENT_FREE:
+            segs[addr] = (size, streams[i], (0, 0), size <= SMALL_BUFFER, False)
+        elif action == Action.SEGMENT_MAP:
+            _cut(segs, addr, size)
+        elif action == Action.SEGMENT_UNMAP:
+            _join(segs, addr, size, streams[i])
+        elif action == Action.ALLOC:
+            live.pop(addr, None)
+        elif action == Action.FREE_COMPLETED:
+            live[addr] = (None, size, True)
+        elif action == Action.FREE_REQUESTED and addr in live:
+            live[addr] = (live[addr][0], live[addr][1], True)
+    for addr, (total, stream, pool, small, expandable) in sorted(segs.items()):
+        if expandable:
+            alloc.map_pages(addr, total, stream, pool, small)
+        else:
+            alloc.add_segment(addr, total, stream, pool, small)
+    blocks = []
+    for addr in sorted(live):
+        size, requested, counted = live[addr]
+        if size is None:
+            size = _unsplit_size(alloc, addr, alloc.round_size(requested), live)
+        try:
+            alloc.occupy(addr, size, requested, counted)
+        except KeyError:
+            continue  # outside every known segment: the trace lost its segment event
+        frames = known[addr].frames if addr in known else ()
+        blocks.append(InitialBlock(addr, size, requested, len(actions), frames))
+    return blocks
+
+
+def _cut(segs: dict[int, tuple], addr: int, size: int) -> None:
+    """Remove ``[addr, addr + size)`` from the expandable ranges holding it (undo a map)."""
+    stop = addr + size
+    for start, (total, stream, pool, small, expandable) in list(segs.items()):
+        end = start + total
+        if expandable and start < stop and addr < end:
+            del segs[start]
+            if start < addr:
+                segs[start] = (addr - start, stream, pool, small, True)
+            if stop < end:
+                segs[stop] = (end - stop, stream, pool, small, True)
+
+
+def _join(segs: dict[int, tuple], addr: int, size: int, stream: int) -> None:
+    """Add ``[addr, addr + size)`` to the expandable ranges, merging neighbours (undo an unmap)."""
+    small = size % LARGE_BUFFER != 0
+    for start, (total, _, _, small_, expandable) in list(segs.items()):
+        if expandable and start + total == addr:
+            del segs[start]
+            addr, size, small = start, size + total, small_
+    after = segs.pop(addr + size, None)
+    if after is not None and after[4]:
+        size += after[0]
+    elif after is not None:
+        segs[addr + size] = after
+    segs[addr] = (size, stream, (0, 0), small, True)

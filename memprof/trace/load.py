@@ -1,0 +1,54 @@
+"""Open a snapshot file without ever executing code from it."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+from memprof.errors import MemprofError
+from memprof.trace.model import Snapshot
+from memprof.trace.normalize import NotASnapshot, normalize
+
+
+class _NoClassesUnpickler(pickle.Unpickler):
+    """The snapshot format holds only builtin containers and scalars: refuse every class."""
+
+    def find_class(self, module: str, name: str) -> object:
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+def load_raw(path: str | Path) -> object:
+    """Unpickle ``path`` with every class reference refused; raise :class:`MemprofError`."""
+    path = Path(path)
+    if not path.exists():
+        raise MemprofError(f"{path}: no such file")
+    if path.is_dir():
+        raise MemprofError(f"{path}: is a directory; pass a snapshot file (.pickle)")
+    try:
+        with path.open("rb") as f:
+            return _NoClassesUnpickler(io.BufferedReader(f, 1 << 20)).load()
+    except PermissionError as exc:
+        raise MemprofError(f"{path}: cannot read ({exc.strerror})") from None
+    except pickle.UnpicklingError as exc:
+        if "refusing" in str(exc):
+            raise MemprofError(
+                f"{path}: the pickle references code ({str(exc).removeprefix('refusing to load ')}),"
+                " which a memory snapshot never does; refusing to load it"
+            ) from None
+        raise MemprofError(f"{path}: not a pickle file ({exc})") from None
+    except EOFError:
+        raise MemprofError(f"{path}: the pickle is truncated (unexpected end of file)") from None
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError) as exc:
+        raise MemprofError(f"{path}: not a readable pickle ({exc})") from None
+    except MemoryError:
+        raise MemprofError(f"{path}: too large to load in the memory available") from None
+
+
+def load_snapshot(path: str | Path) -> Snapshot:
+    """Load and normalise a PyTorch memory snapshot (any format since PyTorch 2.0)."""
+    raw = load_raw(path)
+    try:
+        return normalize(raw)
+    except NotASnapshot as exc:
+        raise MemprofError(f"{path}: not a PyTorch memory snapshot ({exc})") from None
