@@ -26,7 +26,8 @@ DEFAULT_POOL = (0, 0)
 class Block:
     """A contiguous range of a segment, allocated or free (``slots`` for speed)."""
 
-    __slots__ = ("addr", "allocated", "cached", "mapped", "next", "prev", "requested", "seg", "size")
+    __slots__ = ("addr", "allocated", "cached", "mapped", "next", "prev", "requested", "seg",
+                 "size")
 
     def __init__(self, addr: int, size: int, seg: Segment, mapped: bool = True) -> None:
         self.addr = addr

@@ -309,3 +309,15 @@ def _join(segs: dict[int, tuple], addr: int, size: int, stream: int) -> None:
     elif after is not None:
         segs[addr + size] = after
     segs[addr] = (size, stream, (0, 0), small, True)
+
+
+def _unsplit_size(alloc: CachingAllocator, addr: int, rounded: int,
+                  live: dict[int, tuple[int | None, int, bool]]) -> int:
+    """A pre-window block's size: the large pool keeps a remainder of 1 MiB or less whole."""
+    block = alloc.containing(addr)
+    if block is None or block.seg.small or alloc.settings.expandable_segments:
+        return rounded
+    seg_end = block.seg.addr + block.seg.total
+    nxt = min((a for a in live if addr < a < seg_end), default=seg_end)
+    gap = nxt - (addr + rounded)
+    return nxt - addr if 0 <= gap <= SMALL_SIZE or rounded >= alloc.max_split else rounded

@@ -31,10 +31,11 @@ def load_raw(path: str | Path) -> object:
     except PermissionError as exc:
         raise MemprofError(f"{path}: cannot read ({exc.strerror})") from None
     except pickle.UnpicklingError as exc:
-        if "refusing" in str(exc):
+        if str(exc).startswith("refusing to load "):
+            ref = str(exc).removeprefix("refusing to load ")
             raise MemprofError(
-                f"{path}: the pickle references code ({str(exc).removeprefix('refusing to load ')}),"
-                " which a memory snapshot never does; refusing to load it"
+                f"{path}: the pickle references code ({ref}), which a memory snapshot never"
+                " does; refusing to load it"
             ) from None
         raise MemprofError(f"{path}: not a pickle file ({exc})") from None
     except EOFError:
