@@ -17,6 +17,7 @@ import numpy as np
 from memprof.analysis.allocator import (
     LARGE_BUFFER,
     SMALL_BUFFER,
+    SMALL_SIZE,
     Block,
     CachingAllocator,
     FreeBlockStats,
