@@ -350,14 +350,25 @@ class CachingAllocator:
         return seg.blocks()[-1]
 
     def release_cached(self) -> int:
-        """Free every wholly free segment (``torch.cuda.empty_cache()``); bytes released."""
-        released = 0
+        """Free every wholly free segment and unmap the free pages of expandable ones.
+
+        What ``torch.cuda.empty_cache()`` and the last out-of-memory retry do; returns
+        the bytes released.
+        """
+        before = self.reserved
+        pages = []
         for seg in list(self.segments.values()):
-            b = seg.first
-            if b is not None and b.next is None and b.cached:
-                released += seg.total
+            if seg.expandable:
+                page = self.page_size(seg.small)
+                for b in seg.blocks():
+                    lo, hi = -(-b.addr // page) * page, (b.addr + b.size) // page * page
+                    if b.cached and hi > lo:
+                        pages.append((lo, hi - lo))
+            elif seg.first is not None and seg.first.next is None and seg.first.cached:
                 self.remove_segment(seg)
-        return released
+        for addr, size in pages:
+            self.unmap_pages(addr, size)
+        return before - self.reserved
 
     # -- internals -----------------------------------------------------------------------
 

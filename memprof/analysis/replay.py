@@ -34,6 +34,7 @@ class InitialBlock:
     requested: int
     end: int  # index of the event that released it; len(trace) if alive at the end
     frames: Frames
+    counted: bool  # False: its free was requested before the window, not yet completed
 
 
 @dataclass(slots=True)
@@ -87,6 +88,7 @@ class Replay:
     device: int
     allocated: np.ndarray  # int64 block bytes after each event
     reserved: np.ndarray  # int64 after each event
+    reserved_predicted: np.ndarray  # int64: reserved had the simulator taken every decision
     block_size: np.ndarray  # int64 block size of each alloc event, 0 elsewhere
     end: np.ndarray  # int64: for alloc events, the index of its free (len if alive at the end)
     initial: list[InitialBlock]
@@ -130,6 +132,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     end = np.full(n, n, np.int64)
     delta_alloc = np.zeros(n, np.int64)
     delta_res = np.zeros(n, np.int64)
+    delta_pred = np.zeros(n, np.int64)
     live: dict[int, tuple[Block | None, int]] = {b.addr: (alloc.block_at(b.addr), -1)
                                                  for b in initial}
     initial_by_addr = {b.addr: b for b in initial}
@@ -157,6 +160,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
             if guess_addr < 0 and pending:
                 guess_addr = pending[0][1]  # a new segment's address is the device's choice
             check.decision(i, predicted is None, bool(pending), guess_growth == grown)
+            delta_pred[i] = guess_growth
             check.addresses_total += 1
             check.addresses_matched += guess_addr == addr
             if pending:
@@ -202,7 +206,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                     alloc.remove_segment(alloc.segments[addr])
                 else:
                     alloc.unmap_pages(addr, size)
-                delta_res[i] = -size
+                delta_res[i] = delta_pred[i] = -size
             except (KeyError, AssertionError):
                 check.inconsistencies += 1
         elif action == Action.OOM:
@@ -214,6 +218,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         device=-1 if trace is None else trace.device,
         allocated=initial_allocated + np.cumsum(delta_alloc),
         reserved=initial_reserved + np.cumsum(delta_res),
+        reserved_predicted=initial_reserved + np.cumsum(delta_pred),
         block_size=block_size,
         end=end,
         initial=initial,
@@ -280,7 +285,7 @@ def _rebuild_start(alloc: CachingAllocator, segments: list[Segment], actions: li
         except KeyError:
             continue  # outside every known segment: the trace lost its segment event
         frames = known[addr].frames if addr in known else ()
-        blocks.append(InitialBlock(addr, size, requested, len(actions), frames))
+        blocks.append(InitialBlock(addr, size, requested, len(actions), frames, counted))
     return blocks
 
 

@@ -1,0 +1,204 @@
+"""Explain a snapshot: peak, what was live and from where, fragmentation, OOMs, replay check."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from memprof.analysis.allocator import CachingAllocator
+from memprof.analysis.categories import CATEGORIES, Phase, infer_category, phase_of
+from memprof.analysis.findings import (
+    DeviceFindings,
+    Findings,
+    Fragmentation,
+    Live,
+    Oom,
+    ReplaySummary,
+    SiteUsage,
+    Timeline,
+)
+from memprof.analysis.intervals import intervals, live_at
+from memprof.analysis.replay import Moment, Replay, replay
+from memprof.analysis.sites import Site, site_of
+from memprof.analysis.whatif import what_if
+from memprof.trace.model import Action, AllocatorSettings, DeviceTrace, Frames, Segment, Snapshot
+
+BEFORE_WINDOW = Site(None, None, "allocated before the recorded window")
+
+
+def explain(snapshot: Snapshot, source: str = "", devices: Sequence[int] | None = None,
+            top: int = 10, what_ifs: Sequence[AllocatorSettings] = ()) -> Findings:
+    """Analyse every device of ``snapshot`` (or those in ``devices``)."""
+    chosen = snapshot.devices if devices is None else [d for d in snapshot.devices if d in devices]
+    return Findings(
+        source=source,
+        format=snapshot.format,
+        allocator_conf=snapshot.settings.conf,
+        devices=[_device(snapshot, d, top, what_ifs) for d in chosen],
+    )
+
+
+def _device(snapshot: Snapshot, device: int, top: int,
+            what_ifs: Sequence[AllocatorSettings]) -> DeviceFindings:
+    trace = snapshot.traces.get(device)
+    segments = snapshot.segments_of(device)
+    result = replay(trace, segments, snapshot.settings)
+    table = intervals(trace, result)
+    n = 0 if trace is None else len(trace)
+
+    allocated = np.concatenate([[result.initial_allocated], result.allocated])
+    reserved = np.concatenate([[result.initial_reserved], result.reserved])
+    peak = int(np.argmax(allocated)) - 1
+    labels = snapshot.labels.get(device)
+    describe = _Describer(snapshot, device, table, result, labels, top)
+    times = trace.time_us if trace is not None else None
+    before = table[table["start"] < 0]
+    return DeviceFindings(
+        device=device,
+        events=n,
+        first_time_us=int(times[0]) if times is not None and n else None,
+        last_time_us=int(times[-1]) if times is not None and n else None,
+        blocks_before_window=len(before),
+        bytes_before_window=int(before["size"].sum()),
+        peak_allocated_bytes=int(allocated[peak + 1]),
+        peak_reserved_bytes=int(reserved.max()),
+        reserved_at_peak_bytes=int(reserved[peak + 1]),
+        peak_event_index=peak,
+        peak_time_us=int(times[peak]) if times is not None and peak >= 0 else None,
+        end_allocated_bytes=int(allocated[-1]),
+        end_reserved_bytes=int(reserved[-1]),
+        at_peak=describe.live(peak),
+        categories_inferred=labels is None,
+        fragmentation=_fragmentation(result.peak, result.final),
+        ooms=[_oom(describe, m, trace) for m in result.ooms],
+        replay=_replay_summary(snapshot, result, segments, reserved, what_ifs, trace),
+        timeline=Timeline(allocated, reserved, times),
+    )
+
+
+class _Describer:
+    """Turns a set of live rows into categories and sites."""
+
+    def __init__(self, snapshot: Snapshot, device: int, table: pd.DataFrame, result: Replay,
+                 labels: dict[int, str] | None, top: int) -> None:
+        self.trace = snapshot.traces.get(device)
+        self.table = table
+        self.result = result
+        self.labels = labels
+        self.top = top
+        self.n = 0 if self.trace is None else len(self.trace)
+        self.python_stacks = self._has_python_stacks()
+
+    def live(self, index: int) -> Live:
+        rows = live_at(self.table, index)
+        sizes = rows["size"].to_numpy()
+        frames = [self._frames(e, i) for e, i in zip(rows["event"].tolist(),
+                                                    rows["initial"].tolist(), strict=True)]
+        categories = dict.fromkeys(CATEGORIES, 0)
+        for row, size, stack in zip(rows.itertuples(index=False), sizes.tolist(), frames,
+                                    strict=True):
+            categories[self._category(row.event, row.end, stack)] += size
+        total = int(sizes.sum())
+        groups: dict[str, list] = {}
+        for size, stack, event in zip(sizes.tolist(), frames, rows["event"].tolist(),
+                                      strict=True):
+            site = site_of(stack) if stack or event >= 0 else BEFORE_WINDOW
+            g = groups.setdefault(site.label, [site, 0, 0])
+            g[1] += size
+            g[2] += 1
+        ranked = sorted(groups.items(), key=lambda kv: (-kv[1][1], kv[0]))[: self.top]
+        sites = [SiteUsage(label, s.user, s.call, b, c, b / total if total else 0.0)
+                 for label, (s, b, c) in ranked]
+        return Live(total, categories, sites)
+
+    def _frames(self, event: int, initial: int) -> Frames:
+        if event >= 0 and self.trace is not None:
+            return self.trace.frames(event)
+        return self.result.initial[initial].frames if initial >= 0 else ()
+
+    def _category(self, event: int, end: int, stack: Frames) -> str:
+        if self.labels is not None:
+            return self.labels.get(event, "other")
+        alloc_phase = phase_of(stack, self.python_stacks) if event >= 0 else Phase.UNKNOWN
+        free_phase = None
+        if end < self.n and self.trace is not None:
+            free_phase = phase_of(self.trace.frames(end), self.python_stacks)
+        return infer_category(stack, alloc_phase, free_phase)
+
+    def _has_python_stacks(self) -> bool:
+        if self.trace is None:
+            return False
+        allocs = np.flatnonzero(self.trace.action == Action.ALLOC)[:200]
+        return any(f.is_python for i in allocs.tolist() for f in self.trace.frames(i))
+
+
+def _fragmentation(peak: Moment, final: Moment) -> Fragmentation:
+    return Fragmentation(
+        unallocated_at_peak_bytes=peak.reserved - peak.allocated,
+        largest_free_block_at_peak_bytes=peak.free.largest_block,
+        unallocated_at_end_bytes=final.reserved - final.allocated,
+        largest_free_block_at_end_bytes=final.free.largest_block,
+        free_blocks_at_end=final.free.blocks,
+        pools_at_peak=peak.pools,
+        pools_at_end=final.pools,
+    )
+
+
+def _oom(describe: _Describer, moment: Moment, trace: DeviceTrace) -> Oom:
+    i = moment.index
+    requested = int(trace.size[i])
+    fragmented = moment.free.free_bytes >= requested > moment.free.largest_block
+    return Oom(
+        event_index=i,
+        time_us=int(trace.time_us[i]) if trace.time_us is not None else None,
+        requested_bytes=requested,
+        device_alloc_bytes=CachingAllocator.segment_size(requested),
+        device_free_bytes=trace.device_free.get(i, 0),
+        allocated_bytes=moment.allocated,
+        reserved_bytes=moment.reserved,
+        cached_free_bytes=moment.free.free_bytes,
+        largest_free_block_bytes=moment.free.largest_block,
+        kind="fragmentation" if fragmented else "shortage",
+        live=describe.live(i),
+    )
+
+
+def _replay_summary(snapshot: Snapshot, result: Replay, segments: list[Segment],
+                    reserved: np.ndarray, what_ifs: Sequence[AllocatorSettings],
+                    trace: DeviceTrace | None) -> ReplaySummary:
+    settings = snapshot.settings
+    final_reserved = sum(s.total_size for s in segments)
+    final_allocated = sum(s.allocated_size for s in segments)
+    notes = []
+    if settings.backend != "native":
+        notes.append(f"backend {settings.backend} is not modelled")
+    if settings.garbage_collection_threshold > 0:
+        notes.append("garbage_collection_threshold acts only under a memory fraction,"
+                     " which a snapshot does not record: not modelled")
+    c = result.check
+    predicted = np.concatenate([[result.initial_reserved], result.reserved_predicted])
+    summary = ReplaySummary(
+        modelled=not notes,
+        note="; ".join(notes) or (
+            "every decision reproduced" if c.decisions_matched == c.decisions_total
+            else f"first divergence at event {c.first_mismatch}"),
+        decisions_matched=c.decisions_matched,
+        decisions_total=c.decisions_total,
+        segments_predicted=c.segments_predicted,
+        segments_recorded=c.segments_recorded,
+        addresses_matched=c.addresses_matched,
+        addresses_total=c.addresses_total,
+        reserved_bytes_predicted_peak=int(predicted.max()),
+        reserved_bytes_recorded_peak=int(reserved.max()),
+        final_reserved_predicted_bytes=result.final.reserved,
+        final_reserved_recorded_bytes=final_reserved,
+        final_allocated_predicted_bytes=result.final.allocated,
+        final_allocated_recorded_bytes=final_allocated,
+        inconsistencies=c.inconsistencies,
+    )
+    if trace is not None and len(trace):
+        base = what_if(trace, result, settings)
+        summary.what_if = [what_if(trace, result, s, baseline=base) for s in what_ifs]
+    return summary

@@ -1,0 +1,137 @@
+"""What the analysis finds: plain dataclasses that every renderer (console, JSON, plot) reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memprof.analysis.replay import PoolState
+from memprof.trace.model import Frame
+
+
+@dataclass(slots=True)
+class SiteUsage:
+    """Bytes live at a moment that came from one allocation site."""
+
+    label: str
+    user: Frame | None
+    call: Frame | None
+    bytes: int
+    count: int
+    share: float
+
+
+@dataclass(slots=True)
+class Live:
+    """What was allocated at one moment, by category and by site."""
+
+    allocated_bytes: int
+    categories: dict[str, int]
+    sites: list[SiteUsage]
+
+
+@dataclass(slots=True)
+class Fragmentation:
+    """Reserved-but-unallocated memory: cached by the allocator, unusable by others."""
+
+    unallocated_at_peak_bytes: int
+    largest_free_block_at_peak_bytes: int
+    unallocated_at_end_bytes: int
+    largest_free_block_at_end_bytes: int
+    free_blocks_at_end: int
+    pools_at_peak: list[PoolState]
+    pools_at_end: list[PoolState]
+
+
+@dataclass(slots=True)
+class Oom:
+    """An out-of-memory event and why it happened."""
+
+    event_index: int
+    time_us: int | None
+    requested_bytes: int  # the rounded request the allocator could not place
+    device_alloc_bytes: int  # what it tried to obtain from the device ("Tried to allocate")
+    device_free_bytes: int  # free on the device, by cudaMemGetInfo, at the OOM
+    allocated_bytes: int
+    reserved_bytes: int
+    cached_free_bytes: int
+    largest_free_block_bytes: int
+    kind: str  # "fragmentation" or "shortage"
+    live: Live
+
+
+@dataclass(slots=True)
+class ReplaySummary:
+    """The allocator replay checked against the recording."""
+
+    modelled: bool
+    note: str
+    decisions_matched: int = 0
+    decisions_total: int = 0
+    segments_predicted: int = 0
+    segments_recorded: int = 0
+    addresses_matched: int = 0
+    addresses_total: int = 0
+    reserved_bytes_predicted_peak: int = 0
+    reserved_bytes_recorded_peak: int = 0
+    final_reserved_predicted_bytes: int = 0
+    final_reserved_recorded_bytes: int = 0
+    final_allocated_predicted_bytes: int = 0
+    final_allocated_recorded_bytes: int = 0
+    inconsistencies: int = 0
+    what_if: list[WhatIf] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WhatIf:
+    """The same trace replayed under other allocator settings."""
+
+    settings: str
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    saved_bytes: int  # against the recorded settings' predicted peak
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Allocated and reserved bytes after each event, with the state before the first."""
+
+    allocated: np.ndarray
+    reserved: np.ndarray
+    time_us: np.ndarray | None
+
+
+@dataclass(slots=True)
+class DeviceFindings:
+    """Everything memprof says about one device."""
+
+    device: int
+    events: int
+    first_time_us: int | None
+    last_time_us: int | None
+    blocks_before_window: int
+    bytes_before_window: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    reserved_at_peak_bytes: int
+    peak_event_index: int  # -1: the state before the first recorded event
+    peak_time_us: int | None
+    end_allocated_bytes: int
+    end_reserved_bytes: int
+    at_peak: Live
+    categories_inferred: bool
+    fragmentation: Fragmentation
+    ooms: list[Oom]
+    replay: ReplaySummary
+    timeline: Timeline
+
+
+@dataclass(slots=True)
+class Findings:
+    """The analysis of one snapshot."""
+
+    source: str
+    format: str
+    allocator_conf: str
+    devices: list[DeviceFindings]

@@ -1,0 +1,50 @@
+"""Replay a trace under other allocator settings: the peak reserved memory they would give.
+
+No recorded address is used: the simulator places every block itself. Blocks that
+predate the window are allocated first, in address order, since their history under
+other settings is unknown. Where the recording released cached memory
+(``empty_cache()`` or an out-of-memory retry), the simulation releases too.
+"""
+
+from __future__ import annotations
+
+from memprof.analysis.allocator import Block, CachingAllocator
+from memprof.analysis.findings import WhatIf
+from memprof.analysis.replay import Replay
+from memprof.trace.model import Action, AllocatorSettings, DeviceTrace
+
+_RELEASES = (Action.SEGMENT_FREE, Action.SEGMENT_UNMAP)
+
+
+def what_if(trace: DeviceTrace, result: Replay, settings: AllocatorSettings,
+            baseline: WhatIf | None = None) -> WhatIf:
+    """Peak allocated and reserved bytes if ``trace`` ran under ``settings``."""
+    alloc = CachingAllocator(settings)
+    blocks: dict[int, Block] = {}
+    for b in sorted(result.initial, key=lambda b: b.addr):
+        blocks[b.addr] = alloc.malloc(b.requested)
+        if not b.counted:
+            alloc.release_stats(blocks[b.addr])
+    peak_allocated, peak_reserved = alloc.allocated, alloc.reserved
+    releasing = False
+    for action, addr, size, stream in zip(trace.action.tolist(), trace.addr.tolist(),
+                                          trace.size.tolist(), trace.stream.tolist(), strict=True):
+        if action == Action.ALLOC:
+            blocks[addr] = alloc.malloc(size, stream)
+            if alloc.allocated > peak_allocated:
+                peak_allocated = alloc.allocated
+            if alloc.reserved > peak_reserved:
+                peak_reserved = alloc.reserved
+        elif action == Action.FREE_REQUESTED:
+            block = blocks.get(addr)
+            if block is not None and block.allocated:
+                alloc.release_stats(block)
+        elif action == Action.FREE_COMPLETED:
+            block = blocks.pop(addr, None)
+            if block is not None:
+                alloc.free(block)
+        elif action in _RELEASES and not releasing:
+            alloc.release_cached()
+        releasing = action in _RELEASES
+    saved = baseline.peak_reserved_bytes - peak_reserved if baseline else 0
+    return WhatIf(settings.conf or "defaults", peak_reserved, peak_allocated, saved)

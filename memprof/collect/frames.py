@@ -1,0 +1,54 @@
+"""Cheap Python stack capture in the snapshot's frame format, with interning.
+
+Identical frames and identical stacks are returned as the same objects, so a pickled
+trace stores each of them once.
+
+    stacks = StackCapture()
+    frames = stacks.capture(sys._getframe())  # [{"filename", "line", "name"}, ...]
+"""
+
+from __future__ import annotations
+
+from types import CodeType, FrameType
+from typing import TypeAlias
+
+Frame: TypeAlias = dict[str, str | int]
+
+
+class StackCapture:
+    """Turns live Python frames into interned lists of frame dicts, innermost first."""
+
+    def __init__(self) -> None:
+        self._frames: dict[tuple[int, int], Frame] = {}
+        self._stacks: dict[tuple[int, ...], list[Frame]] = {}
+        # Code objects behind cached ids stay alive so that their ids are never reused.
+        self._codes: list[CodeType] = []
+
+    def capture(self, frame: FrameType | None) -> list[Frame]:
+        """Return the stack from `frame` outwards; the list is shared, do not mutate it."""
+        key: list[int] = []
+        f = frame
+        while f is not None:
+            key.append(id(f.f_code))
+            key.append(f.f_lineno)
+            f = f.f_back
+        stack_key = tuple(key)
+        stack = self._stacks.get(stack_key)
+        if stack is None:
+            stack = self._stacks[stack_key] = self._build(frame)
+        return stack
+
+    def _build(self, frame: FrameType | None) -> list[Frame]:
+        stack = []
+        while frame is not None:
+            code = frame.f_code
+            line = frame.f_lineno or 0  # None on rare synthetic instructions
+            key = (id(code), line)
+            entry = self._frames.get(key)
+            if entry is None:
+                entry = {"name": code.co_name, "filename": code.co_filename, "line": line}
+                self._frames[key] = entry
+                self._codes.append(code)
+            stack.append(entry)
+            frame = frame.f_back
+        return stack
