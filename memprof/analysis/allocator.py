@@ -21,6 +21,9 @@ MIN_LARGE_ALLOC = 10 << 20
 LARGE_BUFFER = 20 << 20
 ROUND_LARGE = 2 << 20
 DEFAULT_POOL = (0, 0)
+# The address space an expandable segment reserves beyond its mapped pages (about 1.125x
+# the device's memory): larger than any block, which is all the best-fit rule needs.
+_UNMAPPED_SPACE = 1 << 60
 
 
 class Block:
@@ -201,12 +204,21 @@ class CachingAllocator:
         i = bisect.bisect_left(keys, (stream, rounded, 0))
         if i == len(keys) or keys[i][0] != stream:
             return None
+        if self.settings.expandable_segments:
+            # A block before unmapped pages counts as big as it could grow: holes come first.
+            while (i + 1 < len(keys) and keys[i + 1][0] == stream
+                   and self._growable_size(keys[i + 1]) < self._growable_size(keys[i])):
+                i += 1
         size = keys[i][1]
         if rounded < self.max_split <= size:
             return None  # no oversize block for a request that would split it
         if rounded >= self.max_split and size >= rounded + LARGE_BUFFER:
             return None  # an oversize request takes an oversize block only if it is close
         return self._blocks[keys[i][2]]
+
+    def _growable_size(self, key: tuple[int, int, int]) -> int:
+        block = self._blocks[key[2]]
+        return key[1] + (_UNMAPPED_SPACE if block.seg.expandable and block.next is None else 0)
 
     def should_split(self, block: Block, rounded: int) -> bool:
         remaining = block.size - rounded

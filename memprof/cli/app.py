@@ -1,0 +1,56 @@
+"""The ``memprof`` command."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from memprof import __version__
+from memprof.cli import explain
+from memprof.errors import MemprofError
+
+app = typer.Typer(
+    name="memprof",
+    help="GPU memory profiler and out-of-memory diagnoser for PyTorch training.\n\n"
+    "Start with `memprof explain snapshot.pickle` on any snapshot written by"
+    " torch.cuda.memory._dump_snapshot().",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+app.command(name="explain", no_args_is_help=True)(explain.explain)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"memprof {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Show the version and exit.")) -> None:
+    """GPU memory profiler and out-of-memory diagnoser for PyTorch training."""
+
+
+def main() -> None:
+    """Entry point: run the app, turning :class:`MemprofError` into one line and an exit code."""
+    try:
+        app(standalone_mode=False)
+    except MemprofError as exc:
+        print(f"memprof: error: {exc.message}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        print("memprof: aborted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # click usage errors
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise

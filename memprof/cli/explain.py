@@ -1,0 +1,82 @@
+"""``memprof explain``: explain a PyTorch memory snapshot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from memprof.analysis.explain import explain as analyse
+from memprof.cli.options import parse_alloc_conf
+from memprof.errors import MemprofError
+from memprof.report import console as console_report
+from memprof.report.files import check_writable
+from memprof.report.json import report_dict, write_json
+from memprof.report.plot import plot_timeline
+from memprof.trace import load_snapshot
+
+
+def explain(
+    snapshot: Annotated[Path, typer.Argument(
+        help="A snapshot from torch.cuda.memory._dump_snapshot() (any format since PyTorch 2.0),"
+        " or the snapshot.pickle of a memprof run.", show_default=False)],
+    json: Annotated[bool, typer.Option(
+        "--json", help="Also write the report as JSON (schema memprof.report/1) to"
+        " OUT_DIR/<name>.json.")] = False,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Where --json writes; '-' prints the JSON on stdout instead of"
+        " the report.")] = None,
+    plot: Annotated[bool, typer.Option(
+        "--plot", help="Write a PNG of allocated and reserved memory over time to"
+        " OUT_DIR/<name>-timeline.png.")] = False,
+    out_dir: Annotated[Path, typer.Option("--out-dir", help="Folder for --json and --plot.")
+                       ] = Path("reports"),
+    top: Annotated[int, typer.Option("--top", min=1, help="How many allocation sites to list.")
+                   ] = 10,
+    device: Annotated[list[int] | None, typer.Option(
+        "--device", "-d", help="Only this device (repeatable).")] = None,
+    what_if: Annotated[list[str] | None, typer.Option(
+        "--what-if", metavar="CONF", help="Also replay the trace under these allocator settings,"
+        " e.g. 'expandable_segments:True' or 'max_split_size_mb:128' (repeatable).")] = None,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite existing output files.")
+                     ] = False,
+) -> None:
+    """Explain a memory snapshot: the peak, what was live and from which lines, the allocator's
+    cache and fragmentation, and any out-of-memory event.
+
+    Snapshots are read without executing any code from them. Byte counts are the caching
+    allocator's: **allocated** is what `torch.cuda.max_memory_allocated()` reports,
+    **reserved** what `torch.cuda.max_memory_reserved()` reports.
+    """
+    stem = snapshot.stem
+    json_path = output if output is not None else out_dir / f"{stem}.json"
+    to_stdout = str(json_path) == "-"
+    plot_path = out_dir / f"{stem}-timeline.png"
+    if output is not None and not json:
+        raise MemprofError("--output names where --json writes; add --json")
+    settings = [parse_alloc_conf(c) for c in what_if or []]
+    for path, wanted in ((json_path, json and not to_stdout), (plot_path, plot)):
+        if wanted:
+            check_writable(path, force)
+
+    snap = load_snapshot(snapshot)
+    if device and not set(device) & set(snap.devices):
+        raise MemprofError(f"{snapshot}: no device {device} in this snapshot"
+                           f" (it has {snap.devices or 'none'})")
+    findings = analyse(snap, str(snapshot), devices=device or None, top=top, what_ifs=settings)
+    out = Console()
+    if json and to_stdout:
+        import json as json_module
+
+        print(json_module.dumps(report_dict(findings), indent=2))
+    else:
+        console_report.render(findings, out)
+    notes = Console(stderr=True, soft_wrap=True)
+    if json and not to_stdout:
+        write_json(report_dict(findings), json_path)
+        notes.print(f"JSON report: {json_path}")
+    if plot and findings.devices:
+        plot_timeline(findings, plot_path)
+        notes.print(f"Timeline plot: {plot_path}")

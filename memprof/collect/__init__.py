@@ -1,0 +1,1 @@
+"""Recorders that capture a training run as a PyTorch memory snapshot."""

@@ -1,0 +1,77 @@
+"""The CPU recorder: every tensor storage alloc/free of a run, as a labelled snapshot.
+
+    with CpuRecorder() as recorder:
+        runpy.run_path("train.py", run_name="__main__")
+    snapshot = recorder.snapshot()  # the dict torch.cuda.memory._snapshot() returns
+
+The snapshot has one device trace and no segments (there is no caching allocator on
+this path). Its `memprof` entry holds `labels`, `[alloc_event_index, category]` for
+every alloc event (categories in `memprof.collect.labels.CATEGORIES`), and `steps`:
+for each optimizer step, the number of trace events recorded when it ended, so that
+`events[steps[k - 1]:steps[k]]` is step k's slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memprof.collect.labels import LabelHooks
+from memprof.collect.storages import StorageTracker
+
+SNAPSHOT_VERSION = 1
+
+
+class CpuRecorder:
+    """Record tensor storage allocations and frees, with Python stacks and categories.
+
+    Records the thread that starts it; single use: start once, stop once.
+    """
+
+    def __init__(self) -> None:
+        self._tracker = StorageTracker()
+        self._hooks = LabelHooks(self._tracker)
+        self._labels: list[list[Any]] | None = None
+        self._started = False
+
+    def start(self) -> None:
+        """Install the hooks and begin recording."""
+        if self._started:
+            raise RuntimeError("a CpuRecorder records once; create a new one")
+        self._started = True
+        self._hooks.install()
+        self._tracker.__enter__()
+
+    def stop(self) -> None:
+        """Stop recording, remove the hooks and resolve the labels."""
+        if not self._started or self._labels is not None:
+            raise RuntimeError("stop() needs a recording CpuRecorder")
+        try:
+            self._hooks.remove()
+        finally:
+            self._tracker.__exit__(None, None, None)
+        self._labels = self._hooks.resolve(self._tracker.events, self._tracker.survivors)
+
+    def __enter__(self) -> CpuRecorder:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def snapshot(self) -> dict[str, Any]:
+        """Return the recording in PyTorch's snapshot format (after `stop`)."""
+        if self._labels is None:
+            raise RuntimeError("snapshot() needs a stopped CpuRecorder")
+        return {
+            "segments": [],
+            "device_traces": [list(self._tracker.events)],
+            "allocator_settings": None,
+            "external_annotations": [],
+            "memprof": {
+                "version": SNAPSHOT_VERSION,
+                "recorder": "cpu",
+                "complete": True,
+                "labels": [list(label) for label in self._labels],
+                "steps": list(self._hooks.steps),
+            },
+        }

@@ -1,0 +1,132 @@
+"""Exact category labels for recorded allocations, from global hooks on the real objects.
+
+While installed, the hooks see every module call (its parameters), every gradient
+accumulation, every optimizer step (its gradients and state) and every tensor autograd
+saves for backward; the user's script is not touched. A storage seen in several roles
+keeps the first in `CATEGORIES` order (a parameter saved for backward stays a parameter).
+Unseen storages are `temporaries` if freed during the run, `other` if still alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memprof.collect.storages import Event, StorageTracker, iter_tensors
+
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATE = "optimizer_state"
+ACTIVATIONS = "activations"
+TEMPORARIES = "temporaries"
+OTHER = "other"
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER)
+_RANK = {category: rank for rank, category in enumerate(CATEGORIES)}
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class LabelHooks:
+    """Global hooks that mark the alloc events of `tracker` with their category."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.steps: list[int] = []
+        self._tracker = tracker
+        self._marks: dict[int, str] = {}  # id(alloc event) -> category
+        self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._grad_hooks = WeakIdKeyDictionary()  # parameter -> RemovableHandle
+        self._handles: list[RemovableHandle] = []
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def install(self) -> None:
+        """Register the global module, optimizer and saved-tensor hooks."""
+        self._handles = [
+            register_module_forward_pre_hook(self._on_forward),
+            register_optimizer_step_pre_hook(self._on_step_pre),
+            register_optimizer_step_post_hook(self._on_step_post),
+        ]
+        self._saved.__enter__()
+
+    def remove(self) -> None:
+        """Mark what the seen modules and optimizers hold now, then remove every hook."""
+        for module in list(self._modules):
+            for p in module.parameters(recurse=False):
+                self._mark_param(p)
+        for optimizer in list(self._optimizers):
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    self._mark_param(p)
+            self._mark_state(optimizer)
+        self._saved.__exit__()
+        for handle in [*self._handles, *self._grad_hooks.values()]:
+            handle.remove()
+        self._handles = []
+        self._grad_hooks.clear()
+
+    def resolve(self, events: list[Event], survivors: list[Event]) -> list[list[Any]]:
+        """Return `[event_index, category]` for every alloc event in `events`."""
+        alive = {id(event) for event in survivors}
+        labels: list[list[Any]] = []
+        for index, event in enumerate(events):
+            if event["action"] == "alloc":
+                key = id(event)
+                fallback = OTHER if key in alive else TEMPORARIES
+                labels.append([index, self._marks.get(key, fallback)])
+        return labels
+
+    def _mark(self, t: torch.Tensor, category: str) -> None:
+        for event in self._tracker.alloc_events(t):
+            key = id(event)
+            current = self._marks.get(key)
+            if current is None or _RANK[category] < _RANK[current]:
+                self._marks[key] = category
+
+    def _mark_param(self, p: torch.Tensor) -> None:
+        self._mark(p, PARAMETERS)
+        if p.grad is not None:
+            self._mark(p.grad, GRADIENTS)
+
+    def _watch_param(self, p: torch.Tensor) -> None:
+        self._mark_param(p)
+        if p.requires_grad and p not in self._grad_hooks:
+            self._grad_hooks[p] = p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _mark_state(self, optimizer: torch.optim.Optimizer) -> None:
+        for state in optimizer.state.values():
+            for t in iter_tensors(tuple(state.values())):
+                self._mark(t, OPTIMIZER_STATE)
+
+    def _on_forward(self, module: torch.nn.Module, args: object) -> None:
+        self._modules.add(module)
+        for p in module.parameters(recurse=False):
+            self._watch_param(p)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._mark(p.grad, GRADIENTS)
+
+    def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self._optimizers.add(optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self._watch_param(p)
+
+    def _on_step_post(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self._mark_state(optimizer)
+        self.steps.append(len(self._tracker.events))
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._mark(t, ACTIVATIONS)
+        return t

@@ -1,0 +1,215 @@
+"""Storage-level allocation tracking: a dispatch mode that emits snapshot trace events.
+
+Every operator call reaches `StorageTracker.__torch_dispatch__` (forward, the autograd
+engine's backward and optimizer steps alike). A storage that an operator returns and
+that is neither tracked yet nor one of the operator's inputs is a new allocation; a weak
+reference to the storage's Python object (which PyTorch keeps alive exactly as long as
+the storage itself) reports the free.
+
+    with StorageTracker() as tracker:
+        train()
+    tracker.events  # [{"action": "alloc", "addr", "size", "stream", "time_us", "frames"}, ...]
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+import weakref
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    is_traceable_wrapper_subclass,
+)
+
+from memprof.collect.frames import StackCapture
+
+Event = dict[str, Any]
+
+# Addresses for storages without a usable data pointer (zero bytes, meta, fake, or a
+# pointer another live storage already reports): above every user-space pointer.
+SYNTHETIC_BASE = 1 << 48
+_SYNTHETIC_STEP = 512
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
+class _StorageRef(weakref.ref):
+    """Weak reference to a tracked storage, carrying its key and alloc event."""
+
+    __slots__ = ("event", "key")
+
+
+class _Probe(TorchDispatchMode):
+    """Finds the Python frames torch puts between an operator call and the mode."""
+
+    def __init__(self, caller: FrameType) -> None:
+        super().__init__()
+        self.caller = caller
+        self.codes: frozenset[int] = frozenset()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        codes = set()
+        frame = sys._getframe(1)
+        while frame is not None and frame is not self.caller:
+            codes.add(id(frame.f_code))
+            frame = frame.f_back
+        self.codes = frozenset(codes)
+        return func(*args, **(kwargs or {}))
+
+
+def _dispatch_wrapper_codes() -> frozenset[int]:
+    probe = _Probe(sys._getframe())
+    with probe:
+        torch.empty(0)
+    return probe.codes
+
+
+def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
+    """Yield the tensors in `obj`, a tensor or nested lists/tuples of them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item)
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+        inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+        return [st for x in inner if isinstance(x, torch.Tensor) for st in _storages(x)]
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):  # sparse, nested, ...: no single storage
+        return []
+
+
+class StorageTracker(TorchDispatchMode):
+    """Dispatch mode that records alloc/free trace events for tensor storages.
+
+    Storages that exist before the mode is entered are never recorded; storages still
+    alive when it exits get no free event (see `survivors`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[Event] = []
+        self.survivors: list[Event] = []
+        self._stacks = StackCapture()
+        self._live: dict[int, _StorageRef] = {}
+        self._addrs: set[int] = set()
+        self._spare: list[int] = []
+        self._synthetic = itertools.count(SYNTHETIC_BASE, _SYNTHETIC_STEP)
+        self._wrappers: frozenset[int] = frozenset()
+        self._epoch_us = 0
+        self._origin_ns = 0
+
+    def __enter__(self) -> StorageTracker:
+        self._wrappers = _dispatch_wrapper_codes()
+        self._epoch_us = time.time_ns() // 1000
+        self._origin_ns = time.perf_counter_ns()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if _get_current_dispatch_mode() is not self:
+            raise RuntimeError("a dispatch mode entered during recording is still active")
+        super().__exit__(*exc)
+        self.survivors = [ref.event for ref in list(self._live.values())]
+        self._live.clear()  # dropping the weak references silences their callbacks
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._record(out, func, args, kwargs)
+        return out
+
+    def alloc_events(self, t: torch.Tensor) -> Iterator[Event]:
+        """Yield the alloc events of the live tracked storages behind `t`."""
+        for st in _storages(t):
+            ref = self._live.get(st._cdata)
+            if ref is not None:
+                yield ref.event
+
+    def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
+        frame = None
+        inputs = None
+        for t in iter_tensors(out):
+            for st in _storages(t):
+                key = st._cdata
+                ref = self._live.get(key)
+                if ref is not None:
+                    if ref.event["size"] == st.nbytes():
+                        continue
+                    frame = frame or self._op_frame()
+                    self._free(ref, frame)  # resized in place: a new block, like realloc
+                elif func is not _LIFT_FRESH:  # lift_fresh returns torch.tensor()'s new data
+                    if inputs is None:
+                        inputs = {
+                            s._cdata
+                            for x in iter_tensors((args, tuple(kwargs.values())))
+                            for s in _storages(x)
+                        }
+                    if key in inputs:
+                        continue
+                frame = frame or self._op_frame()
+                self._alloc(st, key, frame)
+
+    def _op_frame(self) -> FrameType | None:
+        # 0: _op_frame, 1: _record, 2: __torch_dispatch__, then torch's wrappers, if any.
+        frame: FrameType | None = sys._getframe(3)
+        while frame is not None and id(frame.f_code) in self._wrappers:
+            frame = frame.f_back
+        return frame
+
+    def _alloc(self, st: torch.UntypedStorage, key: int, frame: FrameType | None) -> None:
+        event = {
+            "action": "alloc",
+            "addr": self._address(st),
+            "size": st.nbytes(),
+            "stream": 0,
+            "time_us": self._now_us(),
+            "frames": self._stacks.capture(frame),
+        }
+        ref = _StorageRef(st, self._on_free)
+        ref.event = event
+        ref.key = key
+        self._live[key] = ref
+        self.events.append(event)
+
+    def _on_free(self, ref: _StorageRef) -> None:
+        if self._live.get(ref.key) is ref:
+            self._free(ref, sys._getframe(1))
+
+    def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
+        del self._live[ref.key]
+        addr, size = ref.event["addr"], ref.event["size"]
+        frames = self._stacks.capture(frame)
+        now = self._now_us()
+        pair = tuple(
+            {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": now,
+             "frames": frames}
+            for action in ("free_requested", "free_completed")
+        )
+        self.events.extend(pair)  # one call: nothing can land between the two
+        self._addrs.discard(addr)
+        if addr >= SYNTHETIC_BASE:
+            self._spare.append(addr)
+
+    def _address(self, st: torch.UntypedStorage) -> int:
+        if st.device.type != "meta":
+            ptr = st.data_ptr()
+            if ptr and ptr not in self._addrs:
+                self._addrs.add(ptr)
+                return ptr
+        addr = self._spare.pop() if self._spare else next(self._synthetic)
+        self._addrs.add(addr)
+        return addr
+
+    def _now_us(self) -> int:
+        return self._epoch_us + (time.perf_counter_ns() - self._origin_ns) // 1000

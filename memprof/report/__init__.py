@@ -1,0 +1,1 @@
+"""Renderers: console, JSON and plots of the analysis findings. They never analyse."""

@@ -1,0 +1,144 @@
+"""The console report: the numbers a user needs first at the top, then the detail."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from memprof.analysis.findings import DeviceFindings, Findings, Live, Oom, ReplaySummary
+from memprof.units import format_bytes as fb
+
+_CATEGORY_NAMES = {
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations",
+    "temporaries": "temporaries",
+    "other": "other",
+}
+
+
+def render(findings: Findings, console: Console) -> None:
+    """Print the whole explanation."""
+    settings = findings.allocator_conf or "defaults"
+    console.print(Text.assemble(("memprof explain ", "bold"), findings.source,
+                                (f"  (snapshot format {findings.format}, allocator: {settings})",
+                                 "dim")))
+    if not findings.devices:
+        console.print("The snapshot is empty: no segments and no recorded events.")
+        return
+    for device in findings.devices:
+        console.print(_device(device))
+
+
+def _device(d: DeviceFindings) -> Panel:
+    parts: list = [_headline(d), _live_tables(d.at_peak, d.categories_inferred, "at the peak")]
+    parts.append(_fragmentation(d))
+    parts.extend(_oom(o, same_as_peak=o.live.allocated_bytes == d.peak_allocated_bytes)
+                 for o in d.ooms)
+    parts.append(_replay(d.replay))
+    return Panel(Group(*parts), title=f"device {d.device}", title_align="left")
+
+
+def _headline(d: DeviceFindings) -> Table:
+    when = "before the first recorded event" if d.peak_event_index < 0 else \
+        f"at event {d.peak_event_index:,} of {d.events:,}"
+    if d.peak_time_us is not None and d.first_time_us is not None:
+        when += f" ({(d.peak_time_us - d.first_time_us) / 1e6:.3f} s into the recording)"
+    t = Table.grid(padding=(0, 2))
+    t.add_row(Text("peak allocated", style="bold"), Text(fb(d.peak_allocated_bytes), "bold red"),
+              Text(when, "dim"))
+    t.add_row("peak reserved", fb(d.peak_reserved_bytes),
+              Text("what the caching allocator held from the device (nvidia-smi shows this"
+                   " plus the CUDA context)", "dim"))
+    t.add_row("reserved at the peak", fb(d.reserved_at_peak_bytes),
+              Text(f"of which {fb(d.reserved_at_peak_bytes - d.peak_allocated_bytes)}"
+                   " cached but unallocated", "dim"))
+    t.add_row("at the end", f"{fb(d.end_allocated_bytes)} allocated",
+              f"{fb(d.end_reserved_bytes)} reserved")
+    if d.blocks_before_window:
+        t.add_row("before the window", f"{d.blocks_before_window:,} blocks",
+                  Text(f"{fb(d.bytes_before_window)} allocated before the first recorded event"
+                       " (the trace is a ring buffer)", "dim"))
+    return t
+
+
+def _live_tables(live: Live, inferred: bool, moment: str) -> Group:
+    how = " (inferred from stacks and lifetimes)" if inferred else ""
+    cats = Table(title=f"What was allocated {moment}, by category{how}", title_justify="left",
+                 box=None, show_header=True, header_style="bold")
+    cats.add_column("category")
+    cats.add_column("bytes", justify="right")
+    cats.add_column("share", justify="right")
+    total = live.allocated_bytes or 1
+    for key, value in sorted(live.categories.items(), key=lambda kv: -kv[1]):
+        if value:
+            cats.add_row(_CATEGORY_NAMES[key], fb(value), f"{100 * value / total:.1f}%")
+    sites = Table(title=f"Top allocation sites {moment}", title_justify="left", box=None,
+                  header_style="bold")
+    sites.add_column("bytes", justify="right")
+    sites.add_column("share", justify="right")
+    sites.add_column("blocks", justify="right")
+    sites.add_column("site (your line → the library call under it)")
+    for s in live.sites:
+        sites.add_row(fb(s.bytes), f"{100 * s.share:.1f}%", f"{s.count:,}", s.label)
+    return Group(Text(""), cats, Text(""), sites)
+
+
+def _fragmentation(d: DeviceFindings) -> Group:
+    f = d.fragmentation
+    t = Table(title="Allocator cache and fragmentation", title_justify="left", box=None,
+              header_style="bold")
+    t.add_column("")
+    t.add_column("at the peak", justify="right")
+    t.add_column("at the end", justify="right")
+    t.add_row("reserved but unallocated", fb(f.unallocated_at_peak_bytes),
+              fb(f.unallocated_at_end_bytes))
+    t.add_row("largest free block", fb(f.largest_free_block_at_peak_bytes),
+              fb(f.largest_free_block_at_end_bytes))
+    pools = Table(box=None, header_style="bold")
+    for col in ("pool", "stream", "segments", "reserved", "allocated"):
+        pools.add_column(col, justify="left" if col == "pool" else "right")
+    for p in f.pools_at_end:
+        pools.add_row(p.pool, str(p.stream), f"{p.segments:,}", fb(p.reserved_bytes),
+                      fb(p.allocated_bytes))
+    return Group(Text(""), t, Text("Segments at the end, by pool and stream", "bold"), pools)
+
+
+def _oom(o: Oom, same_as_peak: bool) -> Group:
+    if o.kind == "fragmentation":
+        why = (f"Fragmentation: {fb(o.cached_free_bytes)} was cached free, more than the request,"
+               f" but the largest free block was {fb(o.largest_free_block_bytes)}. Try"
+               " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (or max_split_size_mb).")
+    else:
+        why = (f"A real shortage: only {fb(o.cached_free_bytes)} was cached free (largest block"
+               f" {fb(o.largest_free_block_bytes)}) and the device had {fb(o.device_free_bytes)}"
+               " left. Reduce what is live (see below) or shard/offload it.")
+    head = Text.assemble(
+        ("OUT OF MEMORY", "bold white on red"),
+        f" at event {o.event_index:,}: asked for {fb(o.requested_bytes)} (tried to obtain"
+        f" {fb(o.device_alloc_bytes)} from the device) with {fb(o.allocated_bytes)} allocated"
+        f" and {fb(o.reserved_bytes)} reserved.\n", why)
+    if same_as_peak:
+        return Group(Text(""), head, Text("What held the memory: the peak, above.", "bold"))
+    return Group(Text(""), head, _live_tables(o.live, True, "at the OOM"))
+
+
+def _replay(r: ReplaySummary) -> Text:
+    if not r.decisions_total:
+        line = "no allocation in the trace to check the allocator model against"
+    else:
+        line = (f"{r.decisions_matched:,}/{r.decisions_total:,} decisions and"
+                f" {r.addresses_matched:,}/{r.addresses_total:,} block addresses reproduced;"
+                f" {r.segments_predicted}/{r.segments_recorded} new segments predicted/recorded;"
+                f" peak reserved predicted {fb(r.reserved_bytes_predicted_peak)},"
+                f" recorded {fb(r.reserved_bytes_recorded_peak)}")
+    text = Text.assemble(("\nAllocator replay: ", "bold"), line, f" ({r.note})")
+    for w in r.what_if:
+        change = f"saves {fb(w.saved_bytes)}" if w.saved_bytes >= 0 else \
+            f"costs {fb(-w.saved_bytes)} more"
+        text.append(f"\n  what if {w.settings}: peak reserved {fb(w.peak_reserved_bytes)}, {change}"
+                    " than the recorded settings in the same simulation")
+    return text

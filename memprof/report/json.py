@@ -1,0 +1,91 @@
+"""The JSON report: one versioned schema for every command (see docs/report-schema.md)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from memprof.analysis.findings import DeviceFindings, Findings, Live, Oom, SiteUsage
+from memprof.report.files import write_atomic
+
+SCHEMA = "memprof.report/1"
+
+
+def report_dict(findings: Findings, command: str = "explain") -> dict[str, Any]:
+    """The report as JSON-ready data."""
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "source": {"path": findings.source, "format": findings.format,
+                   "allocator_conf": findings.allocator_conf},
+        "units": "bytes",
+        "devices": [_device(d) for d in findings.devices],
+    }
+
+
+def write_json(data: dict[str, Any], path: Path) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def _device(d: DeviceFindings) -> dict[str, Any]:
+    frag = d.fragmentation
+    return {
+        "device": d.device,
+        "events": d.events,
+        "window": {
+            "first_time_us": d.first_time_us,
+            "last_time_us": d.last_time_us,
+            "blocks_before_window": d.blocks_before_window,
+            "bytes_before_window": d.bytes_before_window,
+        },
+        "peak": {
+            "allocated_bytes": d.peak_allocated_bytes,
+            "reserved_bytes": d.peak_reserved_bytes,
+            "reserved_at_peak_bytes": d.reserved_at_peak_bytes,
+            "event_index": d.peak_event_index,
+            "time_us": d.peak_time_us,
+        },
+        "end": {"allocated_bytes": d.end_allocated_bytes, "reserved_bytes": d.end_reserved_bytes},
+        "categories": d.at_peak.categories,
+        "categories_inferred": d.categories_inferred,
+        "top_sites": [_site(s) for s in d.at_peak.sites],
+        "fragmentation": {
+            "unallocated_at_peak_bytes": frag.unallocated_at_peak_bytes,
+            "largest_free_block_at_peak_bytes": frag.largest_free_block_at_peak_bytes,
+            "unallocated_at_end_bytes": frag.unallocated_at_end_bytes,
+            "largest_free_block_at_end_bytes": frag.largest_free_block_at_end_bytes,
+            "free_blocks_at_end": frag.free_blocks_at_end,
+            "pools_at_peak": [asdict(p) for p in frag.pools_at_peak],
+            "pools_at_end": [asdict(p) for p in frag.pools_at_end],
+        },
+        "oom": _oom(d.ooms[0]) if d.ooms else None,
+        "ooms": [_oom(o) for o in d.ooms],
+        "replay": asdict(d.replay),
+    }
+
+
+def _site(s: SiteUsage) -> dict[str, Any]:
+    return {
+        "site": s.label,
+        "file": s.user.filename if s.user else None,
+        "line": s.user.line if s.user else None,
+        "function": s.user.name if s.user else None,
+        "call": f"{s.call.filename}:{s.call.line} {s.call.name}" if s.call else None,
+        "bytes": s.bytes,
+        "count": s.count,
+        "share": round(s.share, 6),
+    }
+
+
+def _live(live: Live) -> dict[str, Any]:
+    return {"allocated_bytes": live.allocated_bytes, "categories": live.categories,
+            "top_sites": [_site(s) for s in live.sites]}
+
+
+def _oom(o: Oom) -> dict[str, Any]:
+    data = {k: v for k, v in asdict(o).items() if k != "live"}
+    data["live"] = _live(o.live)
+    return data
