@@ -38,19 +38,7 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 def main() -> None:
     """Entry point: run the app, turning :class:`MemprofError` into one line and an exit code."""
     try:
-        app(standalone_mode=False)
+        app()
     except MemprofError as exc:
         print(f"memprof: error: {exc.message}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        print("memprof: aborted", file=sys.stderr)
-        sys.exit(130)
-    except Exception as exc:  # click usage errors
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise

@@ -24,13 +24,13 @@ def explain(
         " or the snapshot.pickle of a memprof run.", show_default=False)],
     json: Annotated[bool, typer.Option(
         "--json", help="Also write the report as JSON (schema memprof.report/1) to"
-        " OUT_DIR/<name>.json.")] = False,
+        " OUT_DIR/NAME.json.")] = False,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Where --json writes; '-' prints the JSON on stdout instead of"
         " the report.")] = None,
     plot: Annotated[bool, typer.Option(
         "--plot", help="Write a PNG of allocated and reserved memory over time to"
-        " OUT_DIR/<name>-timeline.png.")] = False,
+        " OUT_DIR/NAME-timeline.png.")] = False,
     out_dir: Annotated[Path, typer.Option("--out-dir", help="Folder for --json and --plot.")
                        ] = Path("reports"),
     top: Annotated[int, typer.Option("--top", min=1, help="How many allocation sites to list.")

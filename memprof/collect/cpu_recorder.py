@@ -39,7 +39,11 @@ class CpuRecorder:
             raise RuntimeError("a CpuRecorder records once; create a new one")
         self._started = True
         self._hooks.install()
-        self._tracker.__enter__()
+        try:
+            self._tracker.__enter__()
+        except BaseException:
+            self._hooks.remove()
+            raise
 
     def stop(self) -> None:
         """Stop recording, remove the hooks and resolve the labels."""

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
 )
 
-from memprof.collect.frames import StackCapture
+from memprof.collect.frames import Frame, StackCapture
 
 Event = dict[str, Any]
 
@@ -168,14 +168,7 @@ class StorageTracker(TorchDispatchMode):
         return frame
 
     def _alloc(self, st: torch.UntypedStorage, key: int, frame: FrameType | None) -> None:
-        event = {
-            "action": "alloc",
-            "addr": self._address(st),
-            "size": st.nbytes(),
-            "stream": 0,
-            "time_us": self._now_us(),
-            "frames": self._stacks.capture(frame),
-        }
+        event = self._event("alloc", self._address(st), st.nbytes(), self._stacks.capture(frame))
         ref = _StorageRef(st, self._on_free)
         ref.event = event
         ref.key = key
@@ -190,13 +183,9 @@ class StorageTracker(TorchDispatchMode):
         del self._live[ref.key]
         addr, size = ref.event["addr"], ref.event["size"]
         frames = self._stacks.capture(frame)
-        now = self._now_us()
-        pair = tuple(
-            {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": now,
-             "frames": frames}
-            for action in ("free_requested", "free_completed")
-        )
-        self.events.extend(pair)  # one call: nothing can land between the two
+        requested = self._event("free_requested", addr, size, frames)
+        completed = self._event("free_completed", addr, size, frames)
+        self.events.extend((requested, completed))  # one call: nothing lands between them
         self._addrs.discard(addr)
         if addr >= SYNTHETIC_BASE:
             self._spare.append(addr)
@@ -211,5 +200,13 @@ class StorageTracker(TorchDispatchMode):
         self._addrs.add(addr)
         return addr
 
-    def _now_us(self) -> int:
-        return self._epoch_us + (time.perf_counter_ns() - self._origin_ns) // 1000
+    def _event(self, action: str, addr: int, size: int, frames: list[Frame]) -> Event:
+        time_us = self._epoch_us + (time.perf_counter_ns() - self._origin_ns) // 1000
+        return {
+            "action": action,
+            "addr": addr,
+            "size": size,
+            "stream": 0,
+            "time_us": time_us,
+            "frames": frames,
+        }

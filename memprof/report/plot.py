@@ -34,7 +34,8 @@ def plot_timeline(findings: Findings, path: Path) -> None:
         peak = d.peak_event_index + 1
         ax.axvline(x[peak], color="tab:red", linestyle=":", linewidth=1)
         ax.annotate(f"peak {d.peak_allocated_bytes / GIB:.2f} GiB",
-                    (x[peak], t.allocated[peak] / GIB), textcoords="offset points", xytext=(6, -12), color="tab:red", fontsize=9)
+                    (x[peak], t.allocated[peak] / GIB), textcoords="offset points",
+                    xytext=(6, -12), color="tab:red", fontsize=9)
         ax.set_ylabel("GiB")
         ax.set_title(f"device {d.device}", loc="left", fontsize=10)
         ax.set_ylim(bottom=0)

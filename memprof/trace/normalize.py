@@ -86,7 +86,7 @@ def _segments(raw: list, table: FrameTable) -> list[Segment]:
     out = []
     for i, s in enumerate(raw):
         if not isinstance(s, dict) or "address" not in s or "total_size" not in s:
-            raise NotASnapshot(f"segment {i} has no 'address'/'total_size'")
+            raise NotASnapshot(f"segment {i} is not a segment: no 'address'/'total_size'")
         blocks, addr = [], int(s["address"])
         for b in s.get("blocks") or []:
             history = b.get("history") or []
