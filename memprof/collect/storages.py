@@ -162,7 +162,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _op_frame(self) -> FrameType | None:
         # 0: _op_frame, 1: _record, 2: __torch_dispatch__, then torch's wrappers, if any.
-        frame: FrameType | None = sys._getframe(3)
+        frame = sys._getframe(2).f_back
         while frame is not None and id(frame.f_code) in self._wrappers:
             frame = frame.f_back
         return frame
