@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = Path(os.environ.get("MEMPROF_FIXTURES", ROOT.parent / "shared" / "fixtures" / "snapshots"))
+FIXTURES = Path(os.environ.get("MEMPROF_FIXTURES",
+                               ROOT.parent / "shared" / "fixtures" / "snapshots"))
 
 
 def fixture_files() -> list[Path]:

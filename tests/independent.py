@@ -20,7 +20,8 @@ def _round(n: int) -> int:
 def peak_allocated(raw: dict, device: int) -> tuple[int, int]:
     """(peak allocated block bytes, final allocated block bytes) of ``device``."""
     segments = [s for s in raw["segments"] if s["device"] == device]
-    trace = (raw.get("device_traces") or [])[device] if device < len(raw.get("device_traces") or []) else []
+    traces = raw.get("device_traces") or []
+    trace = traces[device] if device < len(traces) else []
     settings = raw.get("allocator_settings") or {}
     expandable = bool(settings.get("expandable_segments"))
 
@@ -64,7 +65,7 @@ def peak_allocated(raw: dict, device: int) -> tuple[int, int]:
         return nxt - addr if nxt - (addr + rounded) <= MIB else rounded
 
     sizes = {}
-    for addr, (size, counted) in live.items():
+    for addr, (size, _) in live.items():
         sizes[addr] = block_size(addr, -size) if size < 0 else size
     current = sum(sizes[a] for a, (_, counted) in live.items() if counted)
     peak = current

@@ -32,7 +32,7 @@ def test_peak_equals_an_independent_computation(analysed):
 
 
 def test_end_state_equals_the_segments(analysed):
-    path, snapshot, findings = analysed
+    path, _, findings = analysed
     raw = load_raw(path)
     segments = raw["segments"] if isinstance(raw, dict) else raw
     for d in findings.devices:

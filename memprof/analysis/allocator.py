@@ -76,17 +76,11 @@ class FreeBlockStats:
     blocks: int
 
 
-class UnsupportedSettings(ValueError):
-    """Settings the simulator does not model (e.g. the cudaMallocAsync backend)."""
-
-
 class CachingAllocator:
     """The allocator state of one device, with the policy of PyTorch's native backend."""
 
     def __init__(self, settings: AllocatorSettings | None = None) -> None:
         self.settings = settings or AllocatorSettings()
-        if self.settings.backend != "native":
-            raise UnsupportedSettings(f"allocator backend {self.settings.backend} is not modelled")
         self.max_split = self.settings.max_split_size or (1 << 63) - 1
         # free blocks per (pool id, small?), kept sorted by (stream, size, addr)
         self._free: dict[tuple[tuple[int, int], bool], list[tuple[int, int, int]]] = {}

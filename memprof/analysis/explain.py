@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -21,6 +22,7 @@ from memprof.analysis.findings import (
 )
 from memprof.analysis.intervals import intervals, live_at
 from memprof.analysis.replay import Moment, Replay, replay
+from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
 from memprof.analysis.whatif import what_if
 from memprof.trace.model import Action, AllocatorSettings, DeviceTrace, Frames, Segment, Snapshot
@@ -44,7 +46,8 @@ def _device(snapshot: Snapshot, device: int, top: int,
             what_ifs: Sequence[AllocatorSettings]) -> DeviceFindings:
     trace = snapshot.traces.get(device)
     segments = snapshot.segments_of(device)
-    result = replay(trace, segments, snapshot.settings)
+    # an unmodelled backend still gets the native rules for the timeline; the summary says so
+    result = replay(trace, segments, replace(snapshot.settings, backend="native"))
     table = intervals(trace, result)
     n = 0 if trace is None else len(trace)
 
@@ -171,12 +174,7 @@ def _replay_summary(snapshot: Snapshot, result: Replay, segments: list[Segment],
     settings = snapshot.settings
     final_reserved = sum(s.total_size for s in segments)
     final_allocated = sum(s.allocated_size for s in segments)
-    notes = []
-    if settings.backend != "native":
-        notes.append(f"backend {settings.backend} is not modelled")
-    if settings.garbage_collection_threshold > 0:
-        notes.append("garbage_collection_threshold acts only under a memory fraction,"
-                     " which a snapshot does not record: not modelled")
+    notes = unmodelled(settings)
     c = result.check
     predicted = np.concatenate([[result.initial_reserved], result.reserved_predicted])
     summary = ReplaySummary(
@@ -198,7 +196,7 @@ def _replay_summary(snapshot: Snapshot, result: Replay, segments: list[Segment],
         final_allocated_recorded_bytes=final_allocated,
         inconsistencies=c.inconsistencies,
     )
-    if trace is not None and len(trace):
+    if trace is not None and len(trace) and not notes:
         base = what_if(trace, result, settings)
         summary.what_if = [what_if(trace, result, s, baseline=base) for s in what_ifs]
     return summary

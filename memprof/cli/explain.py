@@ -9,13 +9,14 @@ import typer
 from rich.console import Console
 
 from memprof.analysis.explain import explain as analyse
-from memprof.cli.options import parse_alloc_conf
+from memprof.analysis.settings import parse_alloc_conf, unmodelled
 from memprof.errors import MemprofError
 from memprof.report import console as console_report
 from memprof.report.files import check_writable
 from memprof.report.json import report_dict, write_json
 from memprof.report.plot import plot_timeline
 from memprof.trace import load_snapshot
+from memprof.trace.model import AllocatorSettings
 
 
 def explain(
@@ -56,7 +57,7 @@ def explain(
     plot_path = out_dir / f"{stem}-timeline.png"
     if output is not None and not json:
         raise MemprofError("--output names where --json writes; add --json")
-    settings = [parse_alloc_conf(c) for c in what_if or []]
+    settings = [_what_if_settings(c) for c in what_if or []]
     for path, wanted in ((json_path, json and not to_stdout), (plot_path, plot)):
         if wanted:
             check_writable(path, force)
@@ -80,3 +81,15 @@ def explain(
     if plot and findings.devices:
         plot_timeline(findings, plot_path)
         notes.print(f"Timeline plot: {plot_path}")
+
+
+def _what_if_settings(conf: str) -> AllocatorSettings:
+    try:
+        settings = parse_alloc_conf(conf)
+    except ValueError as exc:
+        raise MemprofError(f"--what-if {conf!r}: {exc}"
+                           " (expected e.g. 'expandable_segments:True,max_split_size_mb:128')"
+                           ) from None
+    if unmodelled(settings):
+        raise MemprofError(f"--what-if {conf!r}: {'; '.join(unmodelled(settings))}")
+    return settings

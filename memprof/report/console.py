@@ -127,7 +127,9 @@ def _oom(o: Oom, same_as_peak: bool) -> Group:
 
 
 def _replay(r: ReplaySummary) -> Text:
-    if not r.decisions_total:
+    if not r.modelled:
+        line = "not modelled"
+    elif not r.decisions_total:
         line = "no allocation in the trace to check the allocator model against"
     else:
         line = (f"{r.decisions_matched:,}/{r.decisions_total:,} decisions and"
