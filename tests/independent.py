@@ -44,7 +44,11 @@ def peak_allocated(raw: dict, device: int) -> tuple[int, int]:
         if e["action"] == "alloc":
             live.pop(e["addr"], None)
         elif e["action"] == "free_completed":
-            live[e["addr"]] = (-e["size"], True)  # negative: size still to be worked out
+            # negative: size still to be worked out; not counted unless its free request
+            # is in the window too (the allocated stat drops at the request)
+            live[e["addr"]] = (-e["size"], False)
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            live[e["addr"]] = (live[e["addr"]][0], True)
 
     starts = sorted(seg_size)
 

@@ -47,7 +47,7 @@ class Block:
 class Segment:
     """Device memory from one cudaMalloc (or one expandable range); blocks tile it."""
 
-    __slots__ = ("addr", "expandable", "first", "pool", "small", "stream", "total")
+    __slots__ = ("addr", "expandable", "first", "free_keys", "pool", "small", "stream", "total")
 
     def __init__(self, addr: int, total: int, stream: int, pool: tuple[int, int], small: bool,
                  expandable: bool = False) -> None:
@@ -58,6 +58,7 @@ class Segment:
         self.small = small
         self.expandable = expandable
         self.first: Block | None = None
+        self.free_keys: list[tuple[int, int, int]] = []  # its pool's free list, set on adding
 
     def blocks(self) -> list[Block]:
         out, b = [], self.first
@@ -82,6 +83,7 @@ class CachingAllocator:
     def __init__(self, settings: AllocatorSettings | None = None) -> None:
         self.settings = settings or AllocatorSettings()
         self.max_split = self.settings.max_split_size or (1 << 63) - 1
+        self._any_divisions = any(d > 1 for d in self.settings.roundup_power2_divisions)
         # free blocks per (pool id, small?), kept sorted by (stream, size, addr)
         self._free: dict[tuple[tuple[int, int], bool], list[tuple[int, int, int]]] = {}
         self._blocks: dict[int, Block] = {}  # every block, by start address
@@ -100,6 +102,8 @@ class CachingAllocator:
         """The block size a request of ``size`` bytes is rounded to."""
         if size < MIN_BLOCK:
             return MIN_BLOCK
+        if not self._any_divisions:
+            return (size + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
         divisions = self._divisions(size)
         if divisions > 1 and size > MIN_BLOCK * divisions:
             return self._roundup_power2_next_division(size, divisions)
@@ -138,6 +142,7 @@ class CachingAllocator:
         """Add a segment of ``total`` free bytes (a cudaMalloc, or one found in a recording)."""
         small = total <= SMALL_BUFFER if small is None else small
         seg = Segment(addr, total, stream, pool, small, expandable)
+        seg.free_keys = self._free.setdefault((pool, small), [])
         block = Block(addr, total, seg)
         seg.first = block
         self.segments[addr] = seg
@@ -321,6 +326,7 @@ class CachingAllocator:
             if last is not None:
                 last.next = None
             part = Segment(first.addr, 0, seg.stream, seg.pool, seg.small, True)
+            part.free_keys = seg.free_keys
             part.first, b = first, first
             while b is not None:
                 b.seg = part
@@ -427,15 +433,12 @@ class CachingAllocator:
         self.requested += requested
         return block
 
-    def _free_keys(self, block: Block) -> list[tuple[int, int, int]]:
-        return self._free.setdefault((block.seg.pool, block.seg.small), [])
-
     def _insert_free(self, block: Block) -> None:
-        bisect.insort(self._free_keys(block), (block.seg.stream, block.size, block.addr))
+        bisect.insort(block.seg.free_keys, (block.seg.stream, block.size, block.addr))
         self.cached_bytes += block.size
 
     def _remove_free(self, block: Block) -> None:
-        keys = self._free_keys(block)
+        keys = block.seg.free_keys
         key = (block.seg.stream, block.size, block.addr)
         i = bisect.bisect_left(keys, key)
         if i < len(keys) and keys[i] == key:

@@ -196,7 +196,7 @@ def _replay_summary(snapshot: Snapshot, result: Replay, segments: list[Segment],
         final_allocated_recorded_bytes=final_allocated,
         inconsistencies=c.inconsistencies,
     )
-    if trace is not None and len(trace) and not notes:
+    if trace is not None and len(trace) and what_ifs and not notes:
         base = what_if(trace, result, settings)
         summary.what_if = [what_if(trace, result, s, baseline=base) for s in what_ifs]
     return summary

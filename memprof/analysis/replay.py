@@ -10,11 +10,13 @@ allocation, the allocated/reserved timelines and the allocator state at the peak
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from memprof.analysis.allocator import (
+    DEFAULT_POOL,
     LARGE_BUFFER,
     SMALL_BUFFER,
     SMALL_SIZE,
@@ -113,26 +115,28 @@ def capture(alloc: CachingAllocator, index: int) -> Moment:
     return Moment(index, alloc.allocated, alloc.reserved, alloc.free_stats(), pools)
 
 
+_ALLOC, _FREE_REQUESTED, _FREE_COMPLETED = int(Action.ALLOC), int(Action.FREE_REQUESTED), \
+    int(Action.FREE_COMPLETED)
+_SEGMENT_ALLOC, _SEGMENT_FREE = int(Action.SEGMENT_ALLOC), int(Action.SEGMENT_FREE)
+_SEGMENT_MAP, _SEGMENT_UNMAP, _OOM = int(Action.SEGMENT_MAP), int(Action.SEGMENT_UNMAP), \
+    int(Action.OOM)
+_CHUNK = 1 << 16  # events converted to Python ints at a time, to bound memory
+
+
 def replay(trace: DeviceTrace | None, segments: list[Segment],
            settings: AllocatorSettings | None = None) -> Replay:
     """Replay ``trace`` (which ends in the state ``segments``) and check it against them."""
     settings = settings or AllocatorSettings()
     n = 0 if trace is None else len(trace)
-    actions = [] if trace is None else trace.action.tolist()
-    addrs = [] if trace is None else trace.addr.tolist()
-    sizes = [] if trace is None else trace.size.tolist()
-    streams = [] if trace is None else trace.stream.tolist()
-
     alloc = CachingAllocator(settings)
-    initial = _rebuild_start(alloc, segments, actions, addrs, sizes, streams)
+    initial = _rebuild_start(alloc, segments, trace)
     initial_allocated, initial_reserved = alloc.allocated, alloc.reserved
     pools = {s.address: s.pool_id for s in segments}
 
-    block_size = np.zeros(n, np.int64)
-    end = np.full(n, n, np.int64)
-    delta_alloc = np.zeros(n, np.int64)
-    delta_res = np.zeros(n, np.int64)
-    delta_pred = np.zeros(n, np.int64)
+    zeros = bytes(8 * n)
+    block_size, delta_alloc = array("q", zeros), array("q", zeros)
+    delta_res, delta_pred = array("q", zeros), array("q", zeros)
+    end = array("q", [n]) * n
     live: dict[int, tuple[Block | None, int]] = {b.addr: (alloc.block_at(b.addr), -1)
                                                  for b in initial}
     initial_by_addr = {b.addr: b for b in initial}
@@ -140,87 +144,97 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     pending: list[tuple[int, int, int, int]] = []  # segment growth, applied after predicting
     peak_value, peak = alloc.allocated, capture(alloc, -1)
     ooms: list[Moment] = []
+    expandable = settings.expandable_segments
+    round_size, find_free, malloc = alloc.round_size, alloc.find_free, alloc.malloc
 
-    for i in range(n):
-        action, addr, size = actions[i], addrs[i], sizes[i]
-        if pending and action != Action.ALLOC and not _is_segment_growth(action):
-            _apply_growth(alloc, pending, pools)  # growth no allocation followed
-            pending = []
-        if action == Action.ALLOC:
-            rounded = alloc.round_size(size)
-            pool = pools.get(addr, (0, 0))
-            predicted = alloc.find_free(rounded, streams[i], pool)
-            grown = sum(p[2] for p in pending)
-            if predicted is not None:
-                guess_addr, guess_growth = predicted.addr, 0
-            elif settings.expandable_segments:
-                guess_addr, guess_growth = alloc.grow_plan(rounded, streams[i], pool)
-            else:
-                guess_addr, guess_growth = -1, alloc.segment_size(rounded)
-            if guess_addr < 0 and pending:
-                guess_addr = pending[0][1]  # a new segment's address is the device's choice
-            check.decision(i, predicted is None, bool(pending), guess_growth == grown)
-            delta_pred[i] = guess_growth
-            check.addresses_total += 1
-            check.addresses_matched += guess_addr == addr
-            if pending:
-                _apply_growth(alloc, pending, pools)
+    for base in range(0, n, _CHUNK):
+        assert trace is not None
+        chunk = slice(base, base + _CHUNK)
+        columns = (trace.action[chunk].tolist(), trace.addr[chunk].tolist(),
+                   trace.size[chunk].tolist(), trace.stream[chunk].tolist())
+        for i, (action, addr, size, stream) in enumerate(zip(*columns, strict=True), base):
+            if pending and action != _ALLOC and action != _SEGMENT_ALLOC \
+                    and action != _SEGMENT_MAP:
+                _apply_growth(alloc, pending, pools)  # growth no allocation followed
                 pending = []
-            try:
-                block: Block | None = alloc.malloc(size, streams[i], at=addr)
-                taken = block.size
-            except KeyError:
-                check.inconsistencies += 1
-                block, taken = None, rounded
-                alloc.allocated += taken
-            block_size[i] = delta_alloc[i] = taken
-            live[addr] = (block, i)
-        elif action == Action.FREE_REQUESTED or action == Action.FREE_COMPLETED:
-            entry = live.get(addr)
-            if entry is None:
-                if action == Action.FREE_REQUESTED:
+            if action == _ALLOC:
+                rounded = round_size(size)
+                pool = pools.get(addr, DEFAULT_POOL) if pools else DEFAULT_POOL
+                predicted = find_free(rounded, stream, pool)
+                if predicted is not None:
+                    guess_addr, guess_growth = predicted.addr, 0
+                elif expandable:
+                    guess_addr, guess_growth = alloc.grow_plan(rounded, stream, pool)
+                else:
+                    guess_addr, guess_growth = -1, alloc.segment_size(rounded)
+                grown = 0
+                if pending:
+                    if guess_addr < 0:
+                        guess_addr = pending[0][1]  # a new segment's address is the device's
+                    grown = sum(p[2] for p in pending)
+                    _apply_growth(alloc, pending, pools)
+                check.decision(i, predicted is None, grown > 0, guess_growth == grown)
+                check.addresses_total += 1
+                check.addresses_matched += guess_addr == addr
+                delta_pred[i] = guess_growth
+                pending = []
+                try:
+                    block: Block | None = malloc(size, stream, at=addr)
+                    taken = block.size
+                except KeyError:
                     check.inconsistencies += 1
-                continue
-            block, start = entry
-            if block is None or block.allocated:
-                taken = block.size if block is not None else block_size[start]
-                delta_alloc[i] = -taken
-                if block is None:
-                    alloc.allocated -= taken
-                else:
-                    alloc.release_stats(block)
-                if start >= 0:
-                    end[start] = i
-                else:
-                    initial_by_addr[addr].end = i
-            if action == Action.FREE_COMPLETED:
-                del live[addr]
-                if block is not None:
-                    alloc.free(block)
-        elif _is_segment_growth(action):
-            delta_res[i] = size
-            pending.append((action, addr, size, streams[i]))
-        elif action == Action.SEGMENT_FREE or action == Action.SEGMENT_UNMAP:
-            try:
-                if action == Action.SEGMENT_FREE:
-                    alloc.remove_segment(alloc.segments[addr])
-                else:
-                    alloc.unmap_pages(addr, size)
-                delta_res[i] = delta_pred[i] = -size
-            except (KeyError, AssertionError):
-                check.inconsistencies += 1
-        elif action == Action.OOM:
-            ooms.append(capture(alloc, i))
-        if alloc.allocated > peak_value:
-            peak_value, peak = alloc.allocated, capture(alloc, i)
+                    block, taken = None, rounded
+                    alloc.allocated += taken
+                block_size[i] = delta_alloc[i] = taken
+                live[addr] = (block, i)
+                if alloc.allocated > peak_value:
+                    peak_value, peak = alloc.allocated, capture(alloc, i)
+            elif action in (_FREE_REQUESTED, _FREE_COMPLETED):
+                entry = live.get(addr)
+                if entry is None:
+                    check.inconsistencies += action == _FREE_REQUESTED
+                    continue
+                block, start = entry
+                if block is None or block.allocated:
+                    taken = block.size if block is not None else block_size[start]
+                    delta_alloc[i] = -taken
+                    if block is None:
+                        alloc.allocated -= taken
+                    else:
+                        alloc.release_stats(block)
+                    if start >= 0:
+                        end[start] = i
+                    else:
+                        initial_by_addr[addr].end = i
+                if action == _FREE_COMPLETED:
+                    del live[addr]
+                    if block is not None:
+                        alloc.free(block)
+            elif action in (_SEGMENT_ALLOC, _SEGMENT_MAP):
+                delta_res[i] = size
+                pending.append((action, addr, size, stream))
+            elif action in (_SEGMENT_FREE, _SEGMENT_UNMAP):
+                try:
+                    if action == _SEGMENT_FREE:
+                        alloc.remove_segment(alloc.segments[addr])
+                    else:
+                        alloc.unmap_pages(addr, size)
+                    delta_res[i] = delta_pred[i] = -size
+                except (KeyError, AssertionError):
+                    check.inconsistencies += 1
+            elif action == _OOM:
+                ooms.append(capture(alloc, i))
+
+    def cumulative(start: int, deltas: array) -> np.ndarray:
+        return start + np.cumsum(np.frombuffer(deltas, np.int64))
 
     return Replay(
         device=-1 if trace is None else trace.device,
-        allocated=initial_allocated + np.cumsum(delta_alloc),
-        reserved=initial_reserved + np.cumsum(delta_res),
-        reserved_predicted=initial_reserved + np.cumsum(delta_pred),
-        block_size=block_size,
-        end=end,
+        allocated=cumulative(initial_allocated, delta_alloc),
+        reserved=cumulative(initial_reserved, delta_res),
+        reserved_predicted=cumulative(initial_reserved, delta_pred),
+        block_size=np.frombuffer(block_size, np.int64),
+        end=np.frombuffer(end, np.int64),
         initial=initial,
         initial_allocated=initial_allocated,
         initial_reserved=initial_reserved,
@@ -231,45 +245,52 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     )
 
 
-def _is_segment_growth(action: int) -> bool:
-    return action == Action.SEGMENT_ALLOC or action == Action.SEGMENT_MAP
-
-
 def _apply_growth(alloc: CachingAllocator, growth: list[tuple[int, int, int, int]],
                   pools: dict[int, tuple[int, int]]) -> None:
     for action, addr, size, stream in growth:
-        pool = pools.get(addr, (0, 0))
-        if action == Action.SEGMENT_ALLOC:
+        pool = pools.get(addr, DEFAULT_POOL)
+        if action == _SEGMENT_ALLOC:
             alloc.add_segment(addr, size, stream, pool, size <= SMALL_BUFFER)
         else:
             alloc.map_pages(addr, size, stream, pool)
 
 
-def _rebuild_start(alloc: CachingAllocator, segments: list[Segment], actions: list[int],
-                   addrs: list[int], sizes: list[int], streams: list[int]
-                   ) -> list[InitialBlock]:
-    """Load ``alloc`` with the state before the first event; return the blocks live then."""
+def _rebuild_start(alloc: CachingAllocator, segments: list[Segment],
+                   trace: DeviceTrace | None) -> list[InitialBlock]:
+    """Load ``alloc`` with the state before the first event; return the blocks live then.
+
+    Segments: the final ones with the recorded segment events undone, newest first.
+    Blocks: an address whose first event is a free was allocated before the window;
+    one with no event at all kept its final block.
+    """
+    n = 0 if trace is None else len(trace)
     segs = {s.address: (s.total_size, s.stream, s.pool_id, s.is_small, s.is_expandable)
             for s in segments}
     known = {b.address: b for s in segments for b in s.blocks if b.occupied}
     live: dict[int, tuple[int | None, int, bool]] = {
         a: (b.size, b.requested_size, b.allocated) for a, b in known.items()}
-    for i in range(len(actions) - 1, -1, -1):
-        action, addr, size = actions[i], addrs[i], sizes[i]
-        if action == Action.SEGMENT_ALLOC:
-            segs.pop(addr, None)
-        elif action == Action.SEGMENT_FREE:
-            segs[addr] = (size, streams[i], (0, 0), size <= SMALL_BUFFER, False)
-        elif action == Action.SEGMENT_MAP:
-            _cut(segs, addr, size)
-        elif action == Action.SEGMENT_UNMAP:
-            _join(segs, addr, size, streams[i])
-        elif action == Action.ALLOC:
+    if trace is not None and n:
+        action = trace.action
+        for i in np.flatnonzero((action >= _SEGMENT_ALLOC) & (action <= _SEGMENT_UNMAP))[::-1]:
+            act, addr, size = int(action[i]), int(trace.addr[i]), int(trace.size[i])
+            if act == _SEGMENT_ALLOC:
+                segs.pop(addr, None)
+            elif act == _SEGMENT_FREE:
+                segs[addr] = (size, int(trace.stream[i]), DEFAULT_POOL, size <= SMALL_BUFFER,
+                              False)
+            elif act == _SEGMENT_MAP:
+                _cut(segs, addr, size)
+            else:
+                _join(segs, addr, size, int(trace.stream[i]))
+        touched = np.flatnonzero(action <= _FREE_COMPLETED)
+        addrs = trace.addr[touched]
+        _, first = np.unique(addrs, return_index=True)
+        for k in first.tolist():
+            addr = int(addrs[k])
+            i = int(touched[k])
             live.pop(addr, None)
-        elif action == Action.FREE_COMPLETED:
-            live[addr] = (None, size, True)
-        elif action == Action.FREE_REQUESTED and addr in live:
-            live[addr] = (live[addr][0], live[addr][1], True)
+            if action[i] != _ALLOC:  # freed before being allocated: it predates the window
+                live[addr] = (None, int(trace.size[i]), bool(action[i] == _FREE_REQUESTED))
     for addr, (total, stream, pool, small, expandable) in sorted(segs.items()):
         if expandable:
             alloc.map_pages(addr, total, stream, pool, small)
@@ -284,8 +305,8 @@ def _rebuild_start(alloc: CachingAllocator, segments: list[Segment], actions: li
             alloc.occupy(addr, size, requested, counted)
         except KeyError:
             continue  # outside every known segment: the trace lost its segment event
-        frames = known[addr].frames if addr in known else ()
-        blocks.append(InitialBlock(addr, size, requested, len(actions), frames, counted))
+        frames = known[addr].frames if addr in known and live[addr][0] is not None else ()
+        blocks.append(InitialBlock(addr, size, requested, n, frames, counted))
     return blocks
 
 

@@ -4,7 +4,7 @@ Identical frames and identical stacks are returned as the same objects, so a pic
 trace stores each of them once.
 
     stacks = StackCapture()
-    frames = stacks.capture(sys._getframe())  # [{"filename", "line", "name"}, ...]
+    frames = stacks.capture(sys._getframe())  # [{"name", "filename", "line"}, ...]
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ class StackCapture:
 
     def capture(self, frame: FrameType | None) -> list[Frame]:
         """Return the stack from `frame` outwards; the list is shared, do not mutate it."""
+        # Keyed by instruction offset: O(1), where a line number needs a table scan.
         key: list[int] = []
         f = frame
         while f is not None:
             key.append(id(f.f_code))
-            key.append(f.f_lineno)
+            key.append(f.f_lasti)
             f = f.f_back
         stack_key = tuple(key)
         stack = self._stacks.get(stack_key)

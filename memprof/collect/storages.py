@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
 )
 
-from memprof.collect.frames import Frame, StackCapture
+from memprof.collect.frames import StackCapture
 
 Event = dict[str, Any]
 
@@ -70,13 +70,18 @@ def _dispatch_wrapper_codes() -> frozenset[int]:
     return probe.codes
 
 
-def iter_tensors(obj: object) -> Iterator[torch.Tensor]:
-    """Yield the tensors in `obj`, a tensor or nested lists/tuples of them."""
+def iter_tensors(obj: object) -> list[torch.Tensor]:
+    """Return the tensors in `obj`, a tensor or nested lists/tuples of them."""
     if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
+        return [obj]
+    found: list[torch.Tensor] = []
+    if isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from iter_tensors(item)
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple)):
+                found += iter_tensors(item)
+    return found
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -150,15 +155,18 @@ class StorageTracker(TorchDispatchMode):
                     self._free(ref, frame)  # resized in place: a new block, like realloc
                 elif func is not _LIFT_FRESH:  # lift_fresh returns torch.tensor()'s new data
                     if inputs is None:
-                        inputs = {
-                            s._cdata
-                            for x in iter_tensors((args, tuple(kwargs.values())))
-                            for s in _storages(x)
-                        }
+                        inputs = self._input_keys(args, kwargs)
                     if key in inputs:
                         continue
                 frame = frame or self._op_frame()
                 self._alloc(st, key, frame)
+
+    @staticmethod
+    def _input_keys(args: tuple, kwargs: dict) -> set[int]:
+        tensors = iter_tensors(args)
+        if kwargs:
+            tensors += iter_tensors(tuple(kwargs.values()))
+        return {st._cdata for t in tensors for st in _storages(t)}
 
     def _op_frame(self) -> FrameType | None:
         # 0: _op_frame, 1: _record, 2: __torch_dispatch__, then torch's wrappers, if any.
@@ -168,7 +176,14 @@ class StorageTracker(TorchDispatchMode):
         return frame
 
     def _alloc(self, st: torch.UntypedStorage, key: int, frame: FrameType | None) -> None:
-        event = self._event("alloc", self._address(st), st.nbytes(), self._stacks.capture(frame))
+        event = {
+            "action": "alloc",
+            "addr": self._address(st),
+            "size": st.nbytes(),
+            "stream": 0,
+            "time_us": self._now_us(),
+            "frames": self._stacks.capture(frame),
+        }
         ref = _StorageRef(st, self._on_free)
         ref.event = event
         ref.key = key
@@ -181,11 +196,11 @@ class StorageTracker(TorchDispatchMode):
 
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
         del self._live[ref.key]
-        addr, size = ref.event["addr"], ref.event["size"]
-        frames = self._stacks.capture(frame)
-        requested = self._event("free_requested", addr, size, frames)
-        completed = self._event("free_completed", addr, size, frames)
+        requested = {**ref.event, "action": "free_requested", "time_us": self._now_us()}
+        requested["frames"] = self._stacks.capture(frame)
+        completed = {**requested, "action": "free_completed"}
         self.events.extend((requested, completed))  # one call: nothing lands between them
+        addr = requested["addr"]
         self._addrs.discard(addr)
         if addr >= SYNTHETIC_BASE:
             self._spare.append(addr)
@@ -200,13 +215,5 @@ class StorageTracker(TorchDispatchMode):
         self._addrs.add(addr)
         return addr
 
-    def _event(self, action: str, addr: int, size: int, frames: list[Frame]) -> Event:
-        time_us = self._epoch_us + (time.perf_counter_ns() - self._origin_ns) // 1000
-        return {
-            "action": action,
-            "addr": addr,
-            "size": size,
-            "stream": 0,
-            "time_us": time_us,
-            "frames": frames,
-        }
+    def _now_us(self) -> int:
+        return self._epoch_us + (time.perf_counter_ns() - self._origin_ns) // 1000

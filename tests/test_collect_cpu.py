@@ -1,0 +1,290 @@
+"""CPU recorder: exact category bytes on a real training run, and trace invariants."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import pickle
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.labels import CATEGORIES
+
+SCRIPT = Path(__file__).resolve().parents[1] / "sample_scripts" / "mlp_adam.py"
+BATCH = 16
+STEPS = 3
+ARGV = ["--hidden", "48", "--layers", "3", "--batch", str(BATCH), "--steps", str(STEPS)]
+EVENT_KEYS = {"action", "addr", "size", "stream", "time_us", "frames"}
+
+
+def _load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("mlp_adam", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def run() -> tuple[dict[str, Any], nn.Sequential, torch.optim.Optimizer]:
+    script = _load_script()
+    with CpuRecorder() as recorder:
+        model, optimizer = script.main([*ARGV, "--device", "cpu"])
+    return recorder.snapshot(), model, optimizer
+
+
+def _events(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+    return snapshot["device_traces"][0]
+
+
+def _live_by_category(snapshot: dict[str, Any]) -> list[Counter[str]]:
+    """Live bytes per category after each event."""
+    labels = dict(snapshot["memprof"]["labels"])
+    live: dict[int, tuple[str, int]] = {}
+    totals: Counter[str] = Counter()
+    timeline = []
+    for index, event in enumerate(_events(snapshot)):
+        if event["action"] == "alloc":
+            live[event["addr"]] = (labels[index], event["size"])
+            totals[labels[index]] += event["size"]
+        elif event["action"] == "free_completed":
+            category, size = live.pop(event["addr"])
+            totals[category] -= size
+        timeline.append(totals.copy())
+    return timeline
+
+
+def _saved_for_backward_bytes(model: nn.Sequential, batch: int) -> int:
+    """What autograd saves in one step of Linear/ReLU blocks under an MSE loss.
+
+    The first Linear saves its input (the batch); each ReLU saves its output, which the
+    next Linear saves again (one storage); mse_loss saves the prediction and the target.
+    Linear also saves its weight, but that storage is a parameter.
+    """
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    elements = batch * linears[0].in_features
+    width = 0
+    for module in model:
+        if isinstance(module, nn.Linear):
+            width = module.out_features
+        elif isinstance(module, nn.ReLU):
+            elements += batch * width
+    elements += 2 * batch * linears[-1].out_features
+    return elements * linears[0].weight.element_size()
+
+
+def test_snapshot_has_the_pytorch_shape(run) -> None:
+    snapshot, _, _ = run
+    assert snapshot["segments"] == []
+    assert snapshot["allocator_settings"] is None
+    assert snapshot["external_annotations"] == []
+    assert len(snapshot["device_traces"]) == 1
+    meta = snapshot["memprof"]
+    assert (meta["version"], meta["recorder"], meta["complete"]) == (1, "cpu", True)
+    events = _events(snapshot)
+    assert events
+    for event in events:
+        assert set(event) == EVENT_KEYS
+        assert event["action"] in {"alloc", "free_requested", "free_completed"}
+        assert event["stream"] == 0
+        assert isinstance(event["size"], int) and event["size"] >= 0
+    times = [event["time_us"] for event in events]
+    assert times == sorted(times)
+
+
+def test_model_state_bytes_are_exact(run) -> None:
+    snapshot, model, optimizer = run
+    final = _live_by_category(snapshot)[-1]
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    assert all(p.dtype == torch.float32 for p in params)
+    assert param_bytes == 4 * sum(p.numel() for p in params)
+    step_tensors = [state["step"] for state in optimizer.state.values()]
+    assert len(step_tensors) == len(params)
+    step_bytes = sum(t.numel() * t.element_size() for t in step_tensors)
+    assert final["parameters"] == param_bytes
+    assert final["gradients"] == param_bytes
+    assert final["optimizer_state"] == 2 * param_bytes + step_bytes
+
+
+def test_activation_peak_of_each_step_is_what_autograd_saved(run) -> None:
+    snapshot, model, _ = run
+    expected = _saved_for_backward_bytes(model, BATCH)
+    timeline = _live_by_category(snapshot)
+    steps = snapshot["memprof"]["steps"]
+    assert len(steps) == STEPS
+    for start, end in zip([0, *steps], steps):
+        assert max(totals["activations"] for totals in timeline[start:end]) == expected
+        assert timeline[end - 1]["activations"] == 0  # all released by backward
+
+
+def test_steps_are_increasing_event_indices(run) -> None:
+    snapshot, _, _ = run
+    steps = snapshot["memprof"]["steps"]
+    assert steps == sorted(set(steps))
+    assert 0 < steps[0] and steps[-1] <= len(_events(snapshot))
+
+
+def test_frees_pair_up_with_one_live_alloc(run) -> None:
+    snapshot, _, _ = run
+    events = _events(snapshot)
+    live: dict[int, int] = {}
+    freed: Counter[int] = Counter()
+    for index, event in enumerate(events):
+        if event["action"] == "alloc":
+            assert event["addr"] not in live, "address reused while alive"
+            live[event["addr"]] = index
+        elif event["action"] == "free_requested":
+            done = events[index + 1]
+            assert done["action"] == "free_completed"
+            assert (done["addr"], done["size"]) == (event["addr"], event["size"])
+            alloc = live.pop(event["addr"])
+            assert events[alloc]["size"] == event["size"]
+            freed[alloc] += 1
+        else:
+            assert events[index - 1]["action"] == "free_requested"
+    assert max(freed.values()) == 1
+    assert live, "model state outlives the run"
+
+
+def test_frames_are_python_innermost_first_through_the_script(run) -> None:
+    snapshot, _, _ = run
+    for event in _events(snapshot):
+        files = [frame["filename"] for frame in event["frames"]]
+        assert all(set(frame) == {"filename", "line", "name"} for frame in event["frames"])
+        assert all(isinstance(frame["line"], int) for frame in event["frames"])
+        assert str(SCRIPT) in files
+        assert files.index(str(SCRIPT)) < files.index(__file__)
+        assert not any("memprof" in Path(f).parts for f in files[: files.index(str(SCRIPT))])
+
+
+def test_identical_frames_are_shared(run) -> None:
+    snapshot, _, _ = run
+    frames = [frame for event in _events(snapshot) for frame in event["frames"]]
+    assert len({id(f) for f in frames}) == len({tuple(f.items()) for f in frames})
+
+
+def test_labels_cover_every_alloc_once(run) -> None:
+    snapshot, _, _ = run
+    labels = snapshot["memprof"]["labels"]
+    allocs = [i for i, e in enumerate(_events(snapshot)) if e["action"] == "alloc"]
+    assert [index for index, _ in labels] == allocs
+    assert {category for _, category in labels} <= set(CATEGORIES)
+    assert {category for _, category in labels} >= {
+        "parameters",
+        "gradients",
+        "optimizer_state",
+        "activations",
+        "temporaries",
+    }
+
+
+class _NoClasses(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"class reference {module}.{name}")
+
+
+def test_snapshot_pickles_without_class_references(run) -> None:
+    snapshot, _, _ = run
+    loaded = _NoClasses(io.BytesIO(pickle.dumps(snapshot))).load()
+    assert loaded == snapshot
+
+
+def _record(fn) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    with CpuRecorder() as recorder:
+        fn()
+    return recorder.snapshot()
+
+
+def _actions(snapshot: dict[str, Any]) -> list[tuple[str, int]]:
+    return [(event["action"], event["size"]) for event in _events(snapshot)]
+
+
+def test_a_storage_counts_once_and_is_freed_when_its_last_view_dies() -> None:
+    def body() -> None:
+        base = torch.empty(10)
+        view = base.view(2, 5)
+        tail = base[1:]
+        del base, view
+        assert _live_sizes() == [40]
+        del tail
+
+    def _live_sizes() -> list[int]:
+        events = recorder._tracker.events  # noqa: SLF001 - peek mid-run
+        return [e["size"] for e in events if e["action"] == "alloc"]
+
+    recorder = CpuRecorder()
+    with recorder:
+        body()
+    snapshot = recorder.snapshot()
+    assert _actions(snapshot) == [("alloc", 40), ("free_requested", 40), ("free_completed", 40)]
+    assert snapshot["memprof"]["labels"] == [[0, "temporaries"]]
+
+
+def test_storages_from_before_the_run_are_not_recorded() -> None:
+    before = torch.zeros(8)
+
+    def body() -> None:
+        nonlocal before
+        before.add_(1)
+        before.view(2, 4).mul_(2)
+        before = None
+
+    assert _events(_record(body)) == []
+
+
+def test_zero_size_storages_get_distinct_addresses() -> None:
+    kept = []
+    snapshot = _record(lambda: kept.extend([torch.empty(0), torch.empty(0), torch.empty(3)]))
+    addrs = [event["addr"] for event in _events(snapshot)]
+    assert [event["size"] for event in _events(snapshot)] == [0, 0, 12]
+    assert len(set(addrs)) == 3
+    assert snapshot["memprof"]["labels"] == [[0, "other"], [1, "other"], [2, "other"]]
+
+
+def test_meta_tensors_are_recorded() -> None:
+    kept = []
+    snapshot = _record(lambda: kept.append(torch.empty(4, 4, device="meta") * 2))
+    assert _actions(snapshot) == [
+        ("alloc", 64),
+        ("alloc", 64),
+        ("free_requested", 64),
+        ("free_completed", 64),
+    ]
+
+
+def test_an_out_argument_resized_in_place_is_a_new_block() -> None:
+    kept = []
+
+    def body() -> None:
+        out = torch.empty(0)
+        torch.add(torch.ones(3), 1, out=out)
+        kept.append(out)
+
+    actions = _actions(_record(body))
+    assert ("alloc", 0) in actions
+    assert actions[-2:] == [("free_requested", 12), ("free_completed", 12)]
+    assert actions.count(("alloc", 12)) == 2  # ones(3), then the resized out
+
+
+def test_torch_tensor_literals_are_recorded() -> None:
+    kept = []
+    snapshot = _record(lambda: kept.append(torch.tensor([1.0, 2.0])))
+    assert _actions(snapshot) == [("alloc", 8)]
+
+
+def test_a_recorder_is_single_use() -> None:
+    recorder = CpuRecorder()
+    with pytest.raises(RuntimeError):
+        recorder.snapshot()
+    with recorder:
+        pass
+    with pytest.raises(RuntimeError):
+        recorder.start()
