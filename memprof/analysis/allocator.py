@@ -47,7 +47,8 @@ class Block:
 class Segment:
     """Device memory from one cudaMalloc (or one expandable range); blocks tile it."""
 
-    __slots__ = ("addr", "expandable", "first", "free_keys", "pool", "small", "stream", "total")
+    __slots__ = ("addr", "expandable", "first", "free_keys", "group", "pool", "small", "stream",
+                 "total")
 
     def __init__(self, addr: int, total: int, stream: int, pool: tuple[int, int], small: bool,
                  expandable: bool = False) -> None:
@@ -59,6 +60,7 @@ class Segment:
         self.expandable = expandable
         self.first: Block | None = None
         self.free_keys: list[tuple[int, int, int]] = []  # its pool's free list, set on adding
+        self.group: list[int] = [0, 0, 0]  # its (pool, stream)'s counters, set on adding
 
     def blocks(self) -> list[Block]:
         out, b = [], self.first
@@ -149,7 +151,7 @@ class CachingAllocator:
         self._blocks[addr] = block
         self._insert_free(block)
         self.reserved += total
-        group = self.groups.setdefault((pool, seg.small, stream), [0, 0, 0])
+        group = seg.group = self.groups.setdefault((pool, seg.small, stream), [0, 0, 0])
         group[0] += 1
         group[1] += total
         return seg
@@ -162,9 +164,8 @@ class CachingAllocator:
         del self._blocks[block.addr]
         del self.segments[seg.addr]
         self.reserved -= seg.total
-        group = self.groups[(seg.pool, seg.small, seg.stream)]
-        group[0] -= 1
-        group[1] -= seg.total
+        seg.group[0] -= 1
+        seg.group[1] -= seg.total
 
     def block_at(self, addr: int) -> Block | None:
         return self._blocks.get(addr)
@@ -262,7 +263,7 @@ class CachingAllocator:
         """Stop counting ``block`` as allocated (free_requested); it is reused only once freed."""
         block.allocated = False
         self.allocated -= block.size
-        self.groups[(block.seg.pool, block.seg.small, block.seg.stream)][2] -= block.size
+        block.seg.group[2] -= block.size
         self.requested -= block.requested
 
     def release_to_fit(self, rounded: int) -> None:
@@ -301,7 +302,7 @@ class CachingAllocator:
             self._insert_free(tail)
         seg.total += size
         self.reserved += size
-        self.groups[(seg.pool, seg.small, seg.stream)][1] += size
+        seg.group[1] += size
         return seg
 
     def unmap_pages(self, addr: int, size: int) -> None:
@@ -314,7 +315,7 @@ class CachingAllocator:
             self._split(block, size)
         seg, before, after = block.seg, block.prev, block.next
         del self._blocks[block.addr]
-        group = self.groups[(seg.pool, seg.small, seg.stream)]
+        group = seg.group
         group[0] -= 1
         group[1] -= seg.total
         self.reserved -= seg.total
@@ -326,7 +327,7 @@ class CachingAllocator:
             if last is not None:
                 last.next = None
             part = Segment(first.addr, 0, seg.stream, seg.pool, seg.small, True)
-            part.free_keys = seg.free_keys
+            part.free_keys, part.group = seg.free_keys, group
             part.first, b = first, first
             while b is not None:
                 b.seg = part
@@ -429,7 +430,7 @@ class CachingAllocator:
         block.allocated = True
         block.requested = requested
         self.allocated += block.size
-        self.groups[(block.seg.pool, block.seg.small, block.seg.stream)][2] += block.size
+        block.seg.group[2] += block.size
         self.requested += requested
         return block
 

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
-import pandas as pd
 
 from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.categories import CATEGORIES, Phase, infer_category, phase_of
@@ -20,7 +19,7 @@ from memprof.analysis.findings import (
     SiteUsage,
     Timeline,
 )
-from memprof.analysis.intervals import intervals, live_at
+from memprof.analysis.intervals import Intervals, intervals
 from memprof.analysis.replay import Moment, Replay, replay
 from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
@@ -57,14 +56,14 @@ def _device(snapshot: Snapshot, device: int, top: int,
     labels = snapshot.labels.get(device)
     describe = _Describer(snapshot, device, table, result, labels, top)
     times = trace.time_us if trace is not None else None
-    before = table[table["start"] < 0]
+    before = table.size[table.start < 0]
     return DeviceFindings(
         device=device,
         events=n,
         first_time_us=int(times[0]) if times is not None and n else None,
         last_time_us=int(times[-1]) if times is not None and n else None,
         blocks_before_window=len(before),
-        bytes_before_window=int(before["size"].sum()),
+        bytes_before_window=int(before.sum()),
         peak_allocated_bytes=int(allocated[peak + 1]),
         peak_reserved_bytes=int(reserved.max()),
         reserved_at_peak_bytes=int(reserved[peak + 1]),
@@ -84,7 +83,7 @@ def _device(snapshot: Snapshot, device: int, top: int,
 class _Describer:
     """Turns a set of live rows into categories and sites."""
 
-    def __init__(self, snapshot: Snapshot, device: int, table: pd.DataFrame, result: Replay,
+    def __init__(self, snapshot: Snapshot, device: int, table: Intervals, result: Replay,
                  labels: dict[int, str] | None, top: int) -> None:
         self.trace = snapshot.traces.get(device)
         self.table = table
@@ -95,18 +94,16 @@ class _Describer:
         self.python_stacks = self._has_python_stacks()
 
     def live(self, index: int) -> Live:
-        rows = live_at(self.table, index)
-        sizes = rows["size"].to_numpy()
-        frames = [self._frames(e, i) for e, i in zip(rows["event"].tolist(),
-                                                    rows["initial"].tolist(), strict=True)]
+        rows = self.table.live_at(index)
+        sizes = rows.size.tolist()
+        events, ends = rows.event.tolist(), rows.end.tolist()
+        frames = [self._frames(e, i) for e, i in zip(events, rows.initial.tolist(), strict=True)]
         categories = dict.fromkeys(CATEGORIES, 0)
-        for row, size, stack in zip(rows.itertuples(index=False), sizes.tolist(), frames,
-                                    strict=True):
-            categories[self._category(row.event, row.end, stack)] += size
-        total = int(sizes.sum())
+        for event, end, size, stack in zip(events, ends, sizes, frames, strict=True):
+            categories[self._category(event, end, stack)] += size
+        total = sum(sizes)
         groups: dict[str, list] = {}
-        for size, stack, event in zip(sizes.tolist(), frames, rows["event"].tolist(),
-                                      strict=True):
+        for size, stack, event in zip(sizes, frames, events, strict=True):
             site = site_of(stack) if stack or event >= 0 else BEFORE_WINDOW
             g = groups.setdefault(site.label, [site, 0, 0])
             g[1] += size

@@ -2,44 +2,56 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
-import pandas as pd
 
 from memprof.analysis.replay import Replay
 from memprof.trace.model import Action, DeviceTrace
 
 
-def intervals(trace: DeviceTrace | None, replay: Replay) -> pd.DataFrame:
-    """One row per allocation counted in the allocated stat.
+@dataclass(frozen=True, slots=True)
+class Intervals:
+    """One entry per allocation counted in the allocated stat, as parallel arrays.
 
-    Columns: ``start`` (alloc event index, -1 before the window), ``end`` (index of
-    its free request, or the trace length), ``size`` (block bytes), ``requested``,
-    ``event`` (alloc event index or -1) and ``initial`` (index into
-    ``replay.initial`` or -1).
+    ``start``: alloc event index (-1 before the window); ``end``: index of its free
+    request (the trace length if never freed); ``size``: block bytes; ``event``: the
+    alloc event (-1 before the window); ``initial``: index into ``Replay.initial`` or -1.
     """
+
+    start: np.ndarray
+    end: np.ndarray
+    size: np.ndarray
+    requested: np.ndarray
+    event: np.ndarray
+    initial: np.ndarray
+
+    def live_at(self, index: int) -> Intervals:
+        """The allocations counted after event ``index`` was applied (-1: before the first)."""
+        mask = (self.start <= index) & (self.end > index)
+        return Intervals(*(getattr(self, f)[mask] for f in self.__slots__))
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
+def intervals(trace: DeviceTrace | None, replay: Replay) -> Intervals:
+    """The allocations of a replayed trace, those before the window first."""
     counted = [i for i, b in enumerate(replay.initial) if b.counted]
-    before = pd.DataFrame({
-        "start": np.full(len(counted), -1, np.int64),
-        "end": np.array([replay.initial[i].end for i in counted], np.int64),
-        "size": np.array([replay.initial[i].size for i in counted], np.int64),
-        "requested": np.array([replay.initial[i].requested for i in counted], np.int64),
-        "event": np.full(len(counted), -1, np.int64),
-        "initial": np.array(counted, np.int64),
-    })
-    if trace is None or not len(trace):
-        return before
-    idx = np.flatnonzero(trace.action == Action.ALLOC)
-    during = pd.DataFrame({
-        "start": idx,
-        "end": replay.end[idx],
-        "size": replay.block_size[idx],
-        "requested": trace.size[idx],
-        "event": idx,
-        "initial": np.full(len(idx), -1, np.int64),
-    })
-    return pd.concat([before, during], ignore_index=True)
+    idx = np.flatnonzero(trace.action == Action.ALLOC) if trace is not None else \
+        np.zeros(0, np.int64)
+    initial = replay.initial
 
+    def column(before: list[int], during: np.ndarray) -> np.ndarray:
+        return np.concatenate([np.asarray(before, np.int64), during.astype(np.int64)])
 
-def live_at(table: pd.DataFrame, index: int) -> pd.DataFrame:
-    """Rows allocated after event ``index`` was applied (-1: before the first event)."""
-    return table[(table["start"] <= index) & (table["end"] > index)]
+    none = np.full(len(idx), -1, np.int64)
+    return Intervals(
+        start=column([-1] * len(counted), idx),
+        end=column([initial[i].end for i in counted], replay.end[idx]),
+        size=column([initial[i].size for i in counted], replay.block_size[idx]),
+        requested=column([initial[i].requested for i in counted],
+                         trace.size[idx] if trace is not None else none),
+        event=column([-1] * len(counted), idx),
+        initial=column(counted, none),
+    )

@@ -52,14 +52,6 @@ class Check:
     inconsistencies: int = 0
     first_mismatch: int | None = None
 
-    def decision(self, index: int, predicted_new: bool, recorded_new: bool, same: bool) -> None:
-        self.decisions_total += 1
-        self.segments_predicted += predicted_new
-        self.segments_recorded += recorded_new
-        self.decisions_matched += same
-        if not same and self.first_mismatch is None:
-            self.first_mismatch = index
-
 
 @dataclass(slots=True)
 class PoolState:
@@ -140,7 +132,8 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     live: dict[int, tuple[Block | None, int]] = {b.addr: (alloc.block_at(b.addr), -1)
                                                  for b in initial}
     initial_by_addr = {b.addr: b for b in initial}
-    check = Check()
+    decisions = matched = segments_predicted = segments_recorded = addresses = inconsistent = 0
+    first_mismatch: int | None = None
     pending: list[tuple[int, int, int, int]] = []  # segment growth, applied after predicting
     peak_value, peak = alloc.allocated, capture(alloc, -1)
     ooms: list[Moment] = []
@@ -173,16 +166,24 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                         guess_addr = pending[0][1]  # a new segment's address is the device's
                     grown = sum(p[2] for p in pending)
                     _apply_growth(alloc, pending, pools)
-                check.decision(i, predicted is None, grown > 0, guess_growth == grown)
-                check.addresses_total += 1
-                check.addresses_matched += guess_addr == addr
+                decisions += 1
+                if guess_growth == grown:
+                    matched += 1
+                elif first_mismatch is None:
+                    first_mismatch = i
+                if predicted is None:
+                    segments_predicted += 1
+                if grown:
+                    segments_recorded += 1
+                if guess_addr == addr:
+                    addresses += 1
                 delta_pred[i] = guess_growth
                 pending = []
                 try:
                     block: Block | None = malloc(size, stream, at=addr)
                     taken = block.size
                 except KeyError:
-                    check.inconsistencies += 1
+                    inconsistent += 1
                     block, taken = None, rounded
                     alloc.allocated += taken
                 block_size[i] = delta_alloc[i] = taken
@@ -192,7 +193,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
             elif action in (_FREE_REQUESTED, _FREE_COMPLETED):
                 entry = live.get(addr)
                 if entry is None:
-                    check.inconsistencies += action == _FREE_REQUESTED
+                    inconsistent += action == _FREE_REQUESTED
                     continue
                 block, start = entry
                 if block is None or block.allocated:
@@ -221,7 +222,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                         alloc.unmap_pages(addr, size)
                     delta_res[i] = delta_pred[i] = -size
                 except (KeyError, AssertionError):
-                    check.inconsistencies += 1
+                    inconsistent += 1
             elif action == _OOM:
                 ooms.append(capture(alloc, i))
 
@@ -240,7 +241,8 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         initial_reserved=initial_reserved,
         peak=peak,
         ooms=ooms,
-        check=check,
+        check=Check(decisions, matched, segments_predicted, segments_recorded, decisions,
+                    addresses, inconsistent, first_mismatch),
         final=capture(alloc, n - 1),
     )
 

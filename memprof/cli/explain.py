@@ -14,7 +14,6 @@ from memprof.errors import MemprofError
 from memprof.report import console as console_report
 from memprof.report.files import check_writable
 from memprof.report.json import report_dict, write_json
-from memprof.report.plot import plot_timeline
 from memprof.trace import load_snapshot
 from memprof.trace.model import AllocatorSettings
 
@@ -79,6 +78,8 @@ def explain(
         write_json(report_dict(findings), json_path)
         notes.print(f"JSON report: {json_path}")
     if plot and findings.devices:
+        from memprof.report.plot import plot_timeline  # matplotlib is slow to import
+
         plot_timeline(findings, plot_path)
         notes.print(f"Timeline plot: {plot_path}")
 

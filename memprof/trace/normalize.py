@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import itemgetter, methodcaller
 from typing import Any
 
 import numpy as np
@@ -118,17 +119,32 @@ def _segments(raw: list, table: FrameTable) -> list[Segment]:
     return out
 
 
+class _Codes(dict):
+    def __missing__(self, key: object) -> Action:
+        return Action.OTHER
+
+
+_CODES = _Codes(ACTION_CODES)
+
+
+def _column(events: list[dict], key: str) -> np.ndarray:
+    """One integer field of every event; missing or None reads as 0."""
+    try:
+        return np.fromiter(map(itemgetter(key), events), np.int64, len(events))
+    except (KeyError, TypeError):  # the fast path failed: some event lacks the field
+        return np.fromiter((e.get(key) or 0 for e in events), np.int64, len(events))
+
+
 def _trace(device: int, events: list, table: FrameTable) -> DeviceTrace:
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         raise NotASnapshot(f"device_traces[{device}] is not a list of events")
     try:
-        action = np.fromiter((ACTION_CODES.get(e["action"], Action.OTHER) for e in events),
+        action = np.fromiter(map(_CODES.__getitem__, map(itemgetter("action"), events)),
                              np.int8, len(events))
-        addr = np.fromiter((e.get("addr", 0) or 0 for e in events), np.int64, len(events))
-        size = np.fromiter((e.get("size", 0) or 0 for e in events), np.int64, len(events))
-        stream = np.fromiter((e.get("stream", 0) or 0 for e in events), np.int64, len(events))
-        times = [e.get("time_us") for e in events]
-    except (KeyError, TypeError, OverflowError) as exc:
+        addr, size, stream = (_column(events, k) for k in ("addr", "size", "stream"))
+        timed = all(map(methodcaller("__contains__", "time_us"), events))
+        times = _column(events, "time_us") if timed else None
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise NotASnapshot(f"malformed event in device_traces[{device}]: {exc}") from None
     oom = np.flatnonzero(action == Action.OOM)
     return DeviceTrace(
@@ -137,9 +153,9 @@ def _trace(device: int, events: list, table: FrameTable) -> DeviceTrace:
         addr=addr,
         size=size,
         stream=stream,
-        time_us=None if None in times else np.asarray(times, np.int64),
+        time_us=times,
         device_free={int(i): int(events[i].get("device_free", 0) or 0) for i in oom},
-        _frames=[e.get("frames") for e in events],
+        _frames=list(map(methodcaller("get", "frames"), events)),
         _convert=table.frames,
     )
 
