@@ -21,7 +21,7 @@ from torch.optim.optimizer import (
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memprof.collect.storages import Event, StorageTracker, iter_tensors
+from memprof.collect.storages import Event, StorageTracker, tensors_in
 
 PARAMETERS = "parameters"
 GRADIENTS = "gradients"
@@ -61,19 +61,21 @@ class LabelHooks:
 
     def remove(self) -> None:
         """Mark what the seen modules and optimizers hold now, then remove every hook."""
-        for module in list(self._modules):
-            for p in module.parameters(recurse=False):
-                self._mark_param(p)
-        for optimizer in list(self._optimizers):
-            for group in optimizer.param_groups:
-                for p in group["params"]:
+        try:
+            for module in list(self._modules):
+                for p in module.parameters(recurse=False):
                     self._mark_param(p)
-            self._mark_state(optimizer)
-        self._saved.__exit__()
-        for handle in [*self._handles, *self._grad_hooks.values()]:
-            handle.remove()
-        self._handles = []
-        self._grad_hooks.clear()
+            for optimizer in list(self._optimizers):
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        self._mark_param(p)
+                self._mark_state(optimizer)
+        finally:
+            self._saved.__exit__()
+            for handle in [*self._handles, *self._grad_hooks.values()]:
+                handle.remove()
+            self._handles = []
+            self._grad_hooks.clear()
 
     def resolve(self, events: list[Event], survivors: list[Event]) -> list[list[Any]]:
         """Return `[event_index, category]` for every alloc event in `events`."""
@@ -105,7 +107,7 @@ class LabelHooks:
 
     def _mark_state(self, optimizer: torch.optim.Optimizer) -> None:
         for state in optimizer.state.values():
-            for t in iter_tensors(tuple(state.values())):
+            for t in tensors_in(tuple(state.values())):
                 self._mark(t, OPTIMIZER_STATE)
 
     def _on_forward(self, module: torch.nn.Module, args: object) -> None:

@@ -70,7 +70,7 @@ def _dispatch_wrapper_codes() -> frozenset[int]:
     return probe.codes
 
 
-def iter_tensors(obj: object) -> list[torch.Tensor]:
+def tensors_in(obj: object) -> list[torch.Tensor]:
     """Return the tensors in `obj`, a tensor or nested lists/tuples of them."""
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -80,7 +80,7 @@ def iter_tensors(obj: object) -> list[torch.Tensor]:
             if isinstance(item, torch.Tensor):
                 found.append(item)
             elif isinstance(item, (list, tuple)):
-                found += iter_tensors(item)
+                found += tensors_in(item)
     return found
 
 
@@ -144,7 +144,7 @@ class StorageTracker(TorchDispatchMode):
     def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
         frame = None
         inputs = None
-        for t in iter_tensors(out):
+        for t in tensors_in(out):
             for st in _storages(t):
                 key = st._cdata
                 ref = self._live.get(key)
@@ -163,9 +163,9 @@ class StorageTracker(TorchDispatchMode):
 
     @staticmethod
     def _input_keys(args: tuple, kwargs: dict) -> set[int]:
-        tensors = iter_tensors(args)
+        tensors = tensors_in(args)
         if kwargs:
-            tensors += iter_tensors(tuple(kwargs.values()))
+            tensors += tensors_in(tuple(kwargs.values()))
         return {st._cdata for t in tensors for st in _storages(t)}
 
     def _op_frame(self) -> FrameType | None:

@@ -1,0 +1,50 @@
+"""Allocator replay speed on the 1M-event snapshot, against the time to load its pickle.
+
+Usage: python benchmarks/replay_throughput.py [EVENTS]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from large_snapshot import build
+from measure import machine, write_table
+
+from memprof.analysis.replay import replay
+from memprof.trace.load import load_raw
+from memprof.trace.normalize import normalize
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    events = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
+    snapshot = HERE / "data" / f"large-{events}.pickle"
+    if not snapshot.exists():
+        build(snapshot, events)
+    load_raw(snapshot)  # warm the file cache
+    t = time.perf_counter()
+    raw = load_raw(snapshot)
+    load_s = time.perf_counter() - t
+    trace = normalize(raw)
+    del raw
+    device = trace.traces[0]
+    t = time.perf_counter()
+    result = replay(device, trace.segments_of(0), trace.settings)
+    replay_s = time.perf_counter() - t
+    c = result.check
+    rows = [
+        ["restricted load of the pickle", f"{load_s:.2f}", f"{len(device) / load_s:,.0f}", "1.00"],
+        ["replay (check mode)", f"{replay_s:.2f}", f"{len(device) / replay_s:,.0f}",
+         f"{replay_s / load_s:.2f}"],
+    ]
+    write_table("replay_throughput", ["step", "seconds", "events/s", "ratio to load"], rows,
+                f"{len(device):,} events; decisions reproduced {c.decisions_matched:,}/"
+                f"{c.decisions_total:,}, addresses {c.addresses_matched:,}/{c.addresses_total:,}."
+                f" Measured in one run, in one process. Target: ratio <= 1.0. Machine: {machine()}.")
+
+
+if __name__ == "__main__":
+    main()
