@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.explain import explain
+from memprof.analysis.layout import lay_out
 from memprof.trace.normalize import normalize
 from tests.independent import peak_allocated
 
@@ -16,36 +16,18 @@ ops = st.lists(st.tuples(st.booleans(), sizes, st.integers(0, 1000)), min_size=1
 
 
 def record(program: list[tuple[bool, int, int]]) -> dict:
-    """Run ``program`` (alloc, or free the k-th live block) on the simulator; emit a snapshot."""
-    alloc = CachingAllocator()
+    """Run ``program`` (alloc, or free the k-th live block) and lay it out as on a GPU."""
     events, live = [], []
-    for is_alloc, size, k in program:
+    for n, (is_alloc, size, k) in enumerate(program):
         if is_alloc or not live:
-            before = set(alloc.segments)
-            block = alloc.malloc(size)
-            for addr in set(alloc.segments) - before:
-                events.append({"action": "segment_alloc", "addr": addr,
-                               "size": alloc.segments[addr].total, "stream": 0})
-            events.append({"action": "alloc", "addr": block.addr, "size": size, "stream": 0})
-            live.append(block)
+            events.append({"action": "alloc", "addr": n, "size": size, "stream": 0})
+            live.append((n, size))
         else:
-            block = live.pop(k % len(live))
-            for action in ("free_requested", "free_completed"):
-                events.append({"action": action, "addr": block.addr, "size": block.requested,
-                               "stream": 0})
-            alloc.free(block)
-    segments = [{
-        "device": 0, "address": seg.addr, "total_size": seg.total, "stream": 0,
-        "segment_type": "small" if seg.small else "large", "segment_pool_id": (0, 0),
-        "allocated_size": sum(b.size for b in seg.blocks() if b.allocated),
-        "active_size": sum(b.size for b in seg.blocks() if b.allocated),
-        "requested_size": sum(b.requested for b in seg.blocks() if b.allocated),
-        "is_expandable": False, "frames": [],
-        "blocks": [{"address": b.addr, "size": b.size, "requested_size": b.requested,
-                    "state": "active_allocated" if b.allocated else "inactive", "frames": []}
-                   for b in seg.blocks()],
-    } for seg in alloc.segments.values()]
-    return {"segments": segments, "device_traces": [events]}
+            ident, size = live.pop(k % len(live))
+            events += [{"action": a, "addr": ident, "size": size, "stream": 0}
+                       for a in ("free_requested", "free_completed")]
+    trace, segments = lay_out(events)
+    return {"segments": segments, "device_traces": [trace]}
 
 
 @settings(max_examples=60, deadline=None)
@@ -65,5 +47,7 @@ def test_timeline_invariants_hold_on_any_window(program, dropped):
     assert (d.peak_allocated_bytes, d.end_allocated_bytes) == peak_allocated(raw, 0)
     assert sum(d.at_peak.categories.values()) == d.peak_allocated_bytes
     r = d.replay
+    assert r.inconsistencies == 0
+    assert r.final_reserved_predicted_bytes == r.final_reserved_recorded_bytes
     assert r.decisions_matched == r.decisions_total
     assert r.addresses_matched == r.addresses_total

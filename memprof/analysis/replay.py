@@ -193,7 +193,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
             elif action in (_FREE_REQUESTED, _FREE_COMPLETED):
                 entry = live.get(addr)
                 if entry is None:
-                    inconsistent += action == _FREE_REQUESTED
+                    inconsistent += 1
                     continue
                 block, start = entry
                 if block is None or block.allocated:

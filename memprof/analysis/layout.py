@@ -1,0 +1,95 @@
+"""Lay a trace recorded without a GPU out in CUDA memory: the caching allocator's prediction.
+
+A trace from memprof's CPU recorder has sizes and lifetimes but no CUDA addresses and
+no segments. Replaying it through the allocator simulator places every block as the
+CUDA caching allocator would, and yields a complete PyTorch snapshot: ``alloc`` events
+at predicted addresses, ``segment_alloc`` (or ``segment_map``) where the allocator
+would grow, and the final segments with their blocks. ``explain`` and PyTorch's
+memory viewer read it like a snapshot recorded on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from memprof.analysis.allocator import Block, CachingAllocator
+from memprof.trace.model import AllocatorSettings
+
+Event = dict[str, Any]
+
+
+def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
+            device: int = 0) -> tuple[list[Event], list[dict[str, Any]]]:
+    """Place ``events`` (alloc/free_requested/free_completed, any ids as addresses).
+
+    Returns the trace with predicted addresses and growth events, and the final
+    segments in snapshot form. Event keys other than ``addr`` are kept.
+    """
+    alloc = CachingAllocator(settings)
+    blocks: dict[int, Block] = {}
+    stacks: dict[int, list] = {}  # alloc stacks of live blocks, by predicted address
+    out: list[Event] = []
+    for event in events:
+        action = event["action"]
+        if action == "alloc":
+            reserved = alloc.reserved
+            before = {s.addr: s.total for s in alloc.segments.values()}
+            block = alloc.malloc(event["size"], event.get("stream", 0))
+            if alloc.reserved != reserved:
+                out.extend(_growth(alloc, before, event))
+            blocks[event["addr"]] = block
+            stacks[block.addr] = event.get("frames", [])
+            out.append({**event, "addr": block.addr})
+        elif action in ("free_requested", "free_completed"):
+            block = blocks.get(event["addr"])
+            if block is None:
+                continue
+            out.append({**event, "addr": block.addr})  # before a merge moves the block
+            if action == "free_completed":
+                del blocks[event["addr"]]
+                stacks.pop(block.addr, None)
+                alloc.free(block)
+            elif block.allocated:
+                alloc.release_stats(block)
+        else:
+            out.append(event)
+    return out, snapshot_segments(alloc, device, stacks)
+
+
+def _growth(alloc: CachingAllocator, before: dict[int, int], event: Event) -> list[Event]:
+    """The segment_alloc / segment_map events that an allocation caused."""
+    grown = []
+    for seg in alloc.segments.values():
+        added = seg.total - before.get(seg.addr, 0)
+        if added > 0:
+            action = "segment_map" if seg.expandable else "segment_alloc"
+            addr = seg.addr + before.get(seg.addr, 0) if seg.expandable else seg.addr
+            grown.append({"action": action, "addr": addr, "size": added,
+                          "stream": seg.stream, "time_us": event.get("time_us", 0),
+                          "frames": event.get("frames", [])})
+    return grown
+
+
+def snapshot_segments(alloc: CachingAllocator, device: int = 0,
+                      stacks: dict[int, list] | None = None) -> list[dict[str, Any]]:
+    """The allocator's segments in the form ``torch.cuda.memory._snapshot()`` gives them."""
+    stacks = stacks or {}
+    out = []
+    for seg in sorted(alloc.segments.values(), key=lambda s: s.addr):
+        blocks = seg.blocks()
+        held = [b for b in blocks if b.allocated]
+        out.append({
+            "device": device, "address": seg.addr, "total_size": seg.total,
+            "allocated_size": sum(b.size for b in held),
+            "active_size": sum(b.size for b in blocks if not b.cached),
+            "requested_size": sum(b.requested for b in held),
+            "stream": seg.stream, "segment_type": "small" if seg.small else "large",
+            "segment_pool_id": seg.pool, "is_expandable": seg.expandable, "frames": [],
+            "blocks": [{"address": b.addr, "size": b.size, "requested_size": b.requested,
+                        "state": "active_allocated" if b.allocated else
+                        "inactive" if b.cached else "active_pending_free",
+                        "frames": stacks.get(b.addr, [])}
+                       for b in blocks],
+        })
+    return out
