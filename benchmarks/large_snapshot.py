@@ -49,8 +49,8 @@ def build(path: Path, events: int = 1_000_000, source: Path = FIXTURE) -> Path:
                 program.append({"action": action, "addr": (repeat, addr), "size": e["size"],
                                 "stream": 0, "time_us": time_us, "frames": []})
         repeat += 1
-    trace, segments = lay_out(program)
-    snapshot = {"segments": segments, "device_traces": [trace],
+    layout = lay_out(program)
+    snapshot = {"segments": layout.segments, "device_traces": [layout.trace],
                 "allocator_settings": raw.get("allocator_settings"), "external_annotations": []}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as f:

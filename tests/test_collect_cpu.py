@@ -20,7 +20,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import memprof
 from memprof.collect.cpu_recorder import CpuRecorder
-from memprof.collect.labels import CATEGORIES
+from memprof.trace.model import CATEGORIES
 
 SCRIPT = Path(__file__).resolve().parents[1] / "sample_scripts" / "mlp_adam.py"
 BATCH = 16

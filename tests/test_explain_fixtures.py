@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from memprof.analysis.categories import CATEGORIES
 from memprof.analysis.explain import explain
 from memprof.trace import load_snapshot
+from memprof.trace.model import CATEGORIES
 from tests.conftest import fixture, fixture_files, load_raw, needs_fixtures
 from tests.independent import peak_allocated
 

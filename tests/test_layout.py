@@ -20,7 +20,8 @@ def _events(program: list[tuple[str, int, int]]) -> list[dict]:
 def test_frees_keep_their_address_when_blocks_merge():
     program = [("alloc", 1, 1000), ("alloc", 2, 1000), ("alloc", 3, 30 * MIB),
                ("free", 1, 1000), ("free", 2, 1000), ("alloc", 4, 1500)]
-    trace, segments = lay_out(_events(program))
+    layout = lay_out(_events(program))
+    trace, segments = layout.trace, layout.segments
     allocs = {e["addr"] for e in trace if e["action"] == "alloc"}
     freed = [e["addr"] for e in trace if e["action"] == "free_completed"]
     assert len(freed) == 2 and set(freed) <= allocs and freed[0] != freed[1]

@@ -26,8 +26,8 @@ def record(program: list[tuple[bool, int, int]]) -> dict:
             ident, size = live.pop(k % len(live))
             events += [{"action": a, "addr": ident, "size": size, "stream": 0}
                        for a in ("free_requested", "free_completed")]
-    trace, segments = lay_out(events)
-    return {"segments": segments, "device_traces": [trace]}
+    layout = lay_out(events)
+    return {"segments": layout.segments, "device_traces": [layout.trace]}
 
 
 @settings(max_examples=60, deadline=None)

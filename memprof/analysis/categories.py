@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from enum import Enum
 
-from memprof.trace.model import Frames
+from memprof.trace.model import CATEGORIES, Frames
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
+__all__ = ["CATEGORIES", "Phase", "infer_category", "phase_of"]
+
 
 
 class Phase(Enum):

@@ -13,18 +13,29 @@ from memprof.analysis.findings import (
     DeviceFindings,
     Findings,
     Fragmentation,
+    Leak,
     Live,
     Oom,
     ReplaySummary,
     SiteUsage,
+    StepPeak,
     Timeline,
 )
 from memprof.analysis.intervals import Intervals, intervals
 from memprof.analysis.replay import Moment, Replay, replay
 from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
+from memprof.analysis.steps import find_leak, step_peaks
 from memprof.analysis.whatif import what_if
-from memprof.trace.model import Action, AllocatorSettings, DeviceTrace, Frames, Segment, Snapshot
+from memprof.trace.model import (
+    OTHER,
+    Action,
+    AllocatorSettings,
+    DeviceTrace,
+    Frames,
+    Segment,
+    Snapshot,
+)
 
 BEFORE_WINDOW = Site(None, None, "allocated before the recorded window")
 
@@ -55,6 +66,7 @@ def _device(snapshot: Snapshot, device: int, top: int,
     peak = int(np.argmax(allocated)) - 1
     labels = snapshot.labels.get(device)
     describe = _Describer(snapshot, device, table, result, labels, top)
+    peaks = step_peaks(allocated, snapshot.steps.get(device, []))
     times = trace.time_us if trace is not None else None
     before = table.size[table.start < 0]
     return DeviceFindings(
@@ -77,7 +89,32 @@ def _device(snapshot: Snapshot, device: int, top: int,
         ooms=[_oom(describe, m, trace) for m in result.ooms],
         replay=_replay_summary(snapshot, result, segments, reserved, what_ifs, trace),
         timeline=Timeline(allocated, reserved, times),
+        steps=peaks,
+        leak=_leak(describe, peaks, int(allocated[peak + 1])),
+        category_timeline=None if labels is None else _category_timeline(table, labels, n),
     )
+
+
+def _leak(describe: _Describer, peaks: list[StepPeak], peak_allocated: int) -> Leak | None:
+    if len(peaks) < 4:
+        return None
+    every_site = 1 << 30
+    return find_leak(peaks, describe.live(peaks[1].end - 1, every_site),
+                     describe.live(peaks[-1].end - 1, every_site), peak_allocated)
+
+
+def _category_timeline(table: Intervals, labels: dict[int, str], n: int
+                       ) -> dict[str, np.ndarray]:
+    """Allocated bytes of each category after each event, from exact labels."""
+    names = np.array([labels.get(e, OTHER) if e >= 0 else OTHER for e in table.event.tolist()])
+    out = {}
+    for category in CATEGORIES:
+        mine = names == category
+        delta = np.zeros(n + 2, np.int64)
+        np.add.at(delta, table.start[mine] + 1, table.size[mine])
+        np.add.at(delta, table.end[mine] + 1, -table.size[mine])
+        out[category] = np.cumsum(delta)[: n + 1]
+    return out
 
 
 class _Describer:
@@ -93,7 +130,7 @@ class _Describer:
         self.n = 0 if self.trace is None else len(self.trace)
         self.python_stacks = self._has_python_stacks()
 
-    def live(self, index: int) -> Live:
+    def live(self, index: int, top: int | None = None) -> Live:
         rows = self.table.live_at(index)
         sizes = rows.size.tolist()
         events, ends = rows.event.tolist(), rows.end.tolist()
@@ -108,7 +145,7 @@ class _Describer:
             g = groups.setdefault(site.label, [site, 0, 0])
             g[1] += size
             g[2] += 1
-        ranked = sorted(groups.items(), key=lambda kv: (-kv[1][1], kv[0]))[: self.top]
+        ranked = sorted(groups.items(), key=lambda kv: (-kv[1][1], kv[0]))[: top or self.top]
         sites = [SiteUsage(label, s.user, s.call, b, c, b / total if total else 0.0)
                  for label, (s, b, c) in ranked]
         return Live(total, categories, sites)

@@ -102,6 +102,27 @@ class Timeline:
     time_us: np.ndarray | None
 
 
+@dataclass(frozen=True, slots=True)
+class StepPeak:
+    """One optimizer step: events ``[start, end)``, its peak, what stayed allocated after it."""
+
+    step: int
+    start: int
+    end: int
+    peak_allocated_bytes: int
+    end_allocated_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Leak:
+    """Allocated memory that grew after every step, and the site that grew most."""
+
+    growth_per_step_bytes: int
+    steps: int
+    site: SiteUsage | None
+    site_growth_bytes: int
+
+
 @dataclass(slots=True)
 class DeviceFindings:
     """Everything memprof says about one device."""
@@ -125,6 +146,11 @@ class DeviceFindings:
     ooms: list[Oom]
     replay: ReplaySummary
     timeline: Timeline
+    steps: list[StepPeak] = field(default_factory=list)
+    leak: Leak | None = None
+    # allocated bytes per category after each event (state before the first included);
+    # only where categories are exact
+    category_timeline: dict[str, np.ndarray] | None = None
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ memory viewer read it like a snapshot recorded on a GPU.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from memprof.analysis.allocator import Block, CachingAllocator
@@ -19,19 +20,30 @@ from memprof.trace.model import AllocatorSettings
 Event = dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A trace placed in predicted CUDA memory."""
+
+    trace: list[Event]
+    segments: list[dict[str, Any]]
+    position: list[int]  # where each input event landed in ``trace`` (-1: dropped)
+
+
 def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
-            device: int = 0) -> tuple[list[Event], list[dict[str, Any]]]:
+            device: int = 0) -> Layout:
     """Place ``events`` (alloc/free_requested/free_completed, any ids as addresses).
 
-    Returns the trace with predicted addresses and growth events, and the final
-    segments in snapshot form. Event keys other than ``addr`` are kept.
+    The trace gets predicted addresses and the growth events the allocator would
+    record; event keys other than ``addr`` are kept.
     """
     alloc = CachingAllocator(settings)
     blocks: dict[int, Block] = {}
     stacks: dict[int, list] = {}  # alloc stacks of live blocks, by predicted address
     out: list[Event] = []
+    position: list[int] = []
     for event in events:
         action = event["action"]
+        position.append(-1)
         if action == "alloc":
             reserved = alloc.reserved
             before = {s.addr: s.total for s in alloc.segments.values()}
@@ -40,11 +52,13 @@ def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
                 out.extend(_growth(alloc, before, event))
             blocks[event["addr"]] = block
             stacks[block.addr] = event.get("frames", [])
+            position[-1] = len(out)
             out.append({**event, "addr": block.addr})
         elif action in ("free_requested", "free_completed"):
             block = blocks.get(event["addr"])
             if block is None:
                 continue
+            position[-1] = len(out)
             out.append({**event, "addr": block.addr})  # before a merge moves the block
             if action == "free_completed":
                 del blocks[event["addr"]]
@@ -53,8 +67,9 @@ def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
             elif block.allocated:
                 alloc.release_stats(block)
         else:
+            position[-1] = len(out)
             out.append(event)
-    return out, snapshot_segments(alloc, device, stacks)
+    return Layout(out, snapshot_segments(alloc, device, stacks), position)
 
 
 def _growth(alloc: CachingAllocator, before: dict[int, int], event: Event) -> list[Event]:

@@ -10,7 +10,7 @@ _LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/torch/", "torchinduc
                     "/lib/python3", "<frozen ", "<string>")
 # torch's module-call plumbing says nothing about what allocated
 _PLUMBING = {"_call_impl", "_wrapped_call_impl", "__call__", "inner", "wrapper", "decorate_context",
-             "_fn", "new_forward", "forward_call"}
+             "_fn", "new_forward", "forward_call", "_use_grad", "maybe_fallback"}
 
 
 def is_library(frame: Frame) -> bool:

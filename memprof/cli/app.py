@@ -7,7 +7,7 @@ import sys
 import typer
 
 from memprof import __version__
-from memprof.cli import explain
+from memprof.cli import explain, run
 from memprof.errors import MemprofError
 
 app = typer.Typer(
@@ -20,6 +20,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
 )
+app.command(name="run", no_args_is_help=True,
+            context_settings={"allow_interspersed_args": False,
+                              "ignore_unknown_options": True})(run.run)
 app.command(name="explain", no_args_is_help=True)(explain.explain)
 
 

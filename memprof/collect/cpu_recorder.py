@@ -6,7 +6,7 @@
 
 The snapshot has one device trace and no segments (there is no caching allocator on
 this path). Its `memprof` entry holds `labels`, `[alloc_event_index, category]` for
-every alloc event (categories in `memprof.collect.labels.CATEGORIES`), and `steps`:
+every alloc event (categories in `memprof.trace.model.CATEGORIES`), and `steps`:
 for each optimizer step, the number of trace events recorded when it ended, so that
 `events[steps[k - 1]:steps[k]]` is step k's slice.
 """

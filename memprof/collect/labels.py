@@ -22,14 +22,16 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memprof.collect.storages import Event, StorageTracker, tensors_in
+from memprof.trace.model import (
+    ACTIVATIONS,
+    CATEGORIES,
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    OTHER,
+    PARAMETERS,
+    TEMPORARIES,
+)
 
-PARAMETERS = "parameters"
-GRADIENTS = "gradients"
-OPTIMIZER_STATE = "optimizer_state"
-ACTIVATIONS = "activations"
-TEMPORARIES = "temporaries"
-OTHER = "other"
-CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER)
 _RANK = {category: rank for rank, category in enumerate(CATEGORIES)}
 
 

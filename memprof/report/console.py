@@ -7,10 +7,18 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from memprof.analysis.findings import DeviceFindings, Findings, Live, Oom, ReplaySummary
+from memprof.analysis.findings import (
+    DeviceFindings,
+    Findings,
+    Leak,
+    Live,
+    Oom,
+    ReplaySummary,
+    StepPeak,
+)
 from memprof.units import format_bytes as fb
 
-_CATEGORY_NAMES = {
+CATEGORY_NAMES = {
     "parameters": "parameters",
     "gradients": "gradients",
     "optimizer_state": "optimizer state",
@@ -35,6 +43,8 @@ def render(findings: Findings, console: Console) -> None:
 
 def _device(d: DeviceFindings) -> Panel:
     parts: list = [_headline(d), _live_tables(d.at_peak, d.categories_inferred, "at the peak")]
+    if d.steps:
+        parts += [Text(""), steps_table(d.steps), leak_text(d.leak)]
     parts.append(_fragmentation(d))
     parts.extend(_oom(o, same_as_peak=o.live.allocated_bytes == d.peak_allocated_bytes)
                  for o in d.ooms)
@@ -75,7 +85,12 @@ def _live_tables(live: Live, inferred: bool, moment: str) -> Group:
     total = live.allocated_bytes or 1
     for key, value in sorted(live.categories.items(), key=lambda kv: -kv[1]):
         if value:
-            cats.add_row(_CATEGORY_NAMES[key], fb(value), f"{100 * value / total:.1f}%")
+            cats.add_row(CATEGORY_NAMES[key], fb(value), f"{100 * value / total:.1f}%")
+    return Group(Text(""), cats, Text(""), sites_table(live, moment))
+
+
+def sites_table(live: Live, moment: str) -> Table:
+    """The allocation sites that held the most memory at ``moment``."""
     sites = Table(title=f"Top allocation sites {moment}", title_justify="left", box=None,
                   header_style="bold")
     sites.add_column("bytes", justify="right")
@@ -84,7 +99,34 @@ def _live_tables(live: Live, inferred: bool, moment: str) -> Group:
     sites.add_column("site (your line → the library call under it)")
     for s in live.sites:
         sites.add_row(fb(s.bytes), f"{100 * s.share:.1f}%", f"{s.count:,}", s.label)
-    return Group(Text(""), cats, Text(""), sites)
+    return sites
+
+
+def steps_table(steps: list[StepPeak]) -> Table:
+    """Peak and retained memory per optimizer step."""
+    t = Table(title="Per step (steps end at optimizer.step())", title_justify="left", box=None,
+              header_style="bold")
+    t.add_column("step", justify="right")
+    t.add_column("peak allocated", justify="right")
+    t.add_column("allocated after the step", justify="right")
+    top = max(steps, key=lambda p: p.peak_allocated_bytes)
+    for p in steps:
+        mark = " ← peak" if p is top else ""
+        t.add_row(str(p.step), fb(p.peak_allocated_bytes) + mark, fb(p.end_allocated_bytes))
+    return t
+
+
+def leak_text(leak: Leak | None) -> Text:
+    """The leak verdict, one line."""
+    if leak is None:
+        return Text("No growth across steps: no sign of a leak.", "green")
+    where = f"; grows most: {leak.site.label} (+{fb(leak.site_growth_bytes)})" if leak.site \
+        else ""
+    return Text.assemble(("PROBABLE LEAK", "bold white on red"),
+                         f" memory left allocated grew by {fb(leak.growth_per_step_bytes)} per"
+                         f" step over {leak.steps} steps{where}. Something keeps tensors (or"
+                         " their autograd graph) alive across steps, e.g. accumulating a loss"
+                         " without .item() or .detach().")
 
 
 def _fragmentation(d: DeviceFindings) -> Group:

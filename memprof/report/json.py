@@ -13,9 +13,10 @@ from memprof.report.files import write_atomic
 SCHEMA = "memprof.report/1"
 
 
-def report_dict(findings: Findings, command: str = "explain") -> dict[str, Any]:
-    """The report as JSON-ready data."""
-    return {
+def report_dict(findings: Findings, command: str = "explain",
+                run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report as JSON-ready data; ``run`` holds the facts of a ``memprof run``."""
+    data = {
         "schema": SCHEMA,
         "command": command,
         "source": {"path": findings.source, "format": findings.format,
@@ -23,6 +24,9 @@ def report_dict(findings: Findings, command: str = "explain") -> dict[str, Any]:
         "units": "bytes",
         "devices": [_device(d) for d in findings.devices],
     }
+    if run is not None:
+        data["run"] = run
+    return data
 
 
 def write_json(data: dict[str, Any], path: Path) -> None:
@@ -51,6 +55,9 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
         "end": {"allocated_bytes": d.end_allocated_bytes, "reserved_bytes": d.end_reserved_bytes},
         "categories": d.at_peak.categories,
         "categories_inferred": d.categories_inferred,
+        # the most each category held at any time (exact categories only)
+        "category_peaks": None if d.category_timeline is None else
+        {k: int(v.max()) for k, v in d.category_timeline.items()},
         "top_sites": [_site(s) for s in d.at_peak.sites],
         "fragmentation": {
             "unallocated_at_peak_bytes": frag.unallocated_at_peak_bytes,
@@ -64,6 +71,13 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
         "oom": _oom(d.ooms[0]) if d.ooms else None,
         "ooms": [_oom(o) for o in d.ooms],
         "replay": asdict(d.replay),
+        "steps": [asdict(p) for p in d.steps],
+        "leak": None if d.leak is None else {
+            "growth_per_step_bytes": d.leak.growth_per_step_bytes,
+            "steps": d.leak.steps,
+            "site": _site(d.leak.site) if d.leak.site else None,
+            "site_growth_bytes": d.leak.site_growth_bytes,
+        },
     }
 
 

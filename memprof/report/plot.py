@@ -13,15 +13,21 @@ import numpy as np
 from memprof.analysis.findings import Findings
 from memprof.report.files import write_atomic
 
-GIB = float(1 << 30)
+def _unit(peak: int) -> tuple[str, float]:
+    for name, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if peak >= 1 << shift:
+            return name, float(1 << shift)
+    return "B", 1.0
 
 
-def plot_timeline(findings: Findings, path: Path) -> None:
-    """Allocated and reserved bytes over time, one panel per device, the peak marked."""
+def plot_timeline(findings: Findings, path: Path, title: str | None = None) -> None:
+    """Allocated (stacked by category where exact) and reserved bytes over time, one panel per
+    device, the peak marked."""
     devices = findings.devices
     fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3.2 * len(devices)), squeeze=False)
     for ax, d in zip(axes[:, 0], devices, strict=True):
         t = d.timeline
+        unit, scale = _unit(max(d.peak_reserved_bytes, d.peak_allocated_bytes))
         if t.time_us is not None and len(t.time_us):
             x = np.concatenate([[t.time_us[0]], t.time_us]).astype(float)
             x = (x - x[0]) / 1e6
@@ -29,18 +35,22 @@ def plot_timeline(findings: Findings, path: Path) -> None:
         else:
             x = np.arange(-1, len(t.allocated) - 1)
             ax.set_xlabel("event")
-        ax.step(x, t.reserved / GIB, where="post", label="reserved", color="tab:orange")
-        ax.step(x, t.allocated / GIB, where="post", label="allocated", color="tab:blue")
+        ax.step(x, t.reserved / scale, where="post", label="reserved", color="black", linewidth=1)
+        if d.category_timeline is not None:
+            ax.stackplot(x, *(v / scale for v in d.category_timeline.values()), step="post",
+                         labels=[k.replace("_", " ") for k in d.category_timeline], alpha=0.8)
+        else:
+            ax.step(x, t.allocated / scale, where="post", label="allocated", color="tab:blue")
         peak = d.peak_event_index + 1
         ax.axvline(x[peak], color="tab:red", linestyle=":", linewidth=1)
-        ax.annotate(f"peak {d.peak_allocated_bytes / GIB:.2f} GiB",
-                    (x[peak], t.allocated[peak] / GIB), textcoords="offset points",
+        ax.annotate(f"peak {d.peak_allocated_bytes / scale:.2f} {unit}",
+                    (x[peak], t.allocated[peak] / scale), textcoords="offset points",
                     xytext=(6, -12), color="tab:red", fontsize=9)
-        ax.set_ylabel("GiB")
+        ax.set_ylabel(unit)
         ax.set_title(f"device {d.device}", loc="left", fontsize=10)
         ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", fontsize=8)
-    fig.suptitle(f"memprof: {Path(findings.source).name}", fontsize=10)
+    fig.suptitle(f"memprof: {title or Path(findings.source).name}", fontsize=10)
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)

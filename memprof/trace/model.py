@@ -30,6 +30,15 @@ class Action(IntEnum):
 
 ACTION_CODES: dict[str, Action] = {a.name.lower(): a for a in Action if a is not Action.OTHER}
 
+# What an allocation holds; the order breaks ties (a parameter saved for backward is a parameter).
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATE = "optimizer_state"
+ACTIVATIONS = "activations"
+TEMPORARIES = "temporaries"
+OTHER = "other"
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER)
+
 
 @dataclass(frozen=True, slots=True)
 class Frame:

@@ -1,0 +1,120 @@
+"""``memprof run``: profile an unmodified training script or module."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from memprof.errors import MemprofError
+
+
+def run(
+    ctx: typer.Context,
+    module: Annotated[str | None, typer.Option(
+        "-m", metavar="MODULE", help="Run a library module as a script, as `python -m` does.",
+        show_default=False)] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="The run folder (default: reports/SCRIPT-YYYYmmdd-HHMMSS).",
+        show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite files already in"
+                                        " the run folder.")] = False,
+    device: Annotated[str, typer.Option(
+        "--device", help="auto: the GPU's own allocator history when CUDA is available, else"
+        " memprof's CPU recorder and a predicted CUDA layout; or force cpu / cuda.")] = "auto",
+    alloc_conf: Annotated[str | None, typer.Option(
+        "--alloc-conf", metavar="CONF", help="Allocator settings for the CPU prediction"
+        " (default: $PYTORCH_CUDA_ALLOC_CONF), e.g. 'expandable_segments:True'.",
+        show_default=False)] = None,
+    max_entries: Annotated[int, typer.Option(
+        "--max-entries", min=1000, help="CUDA: events the allocator history keeps (a ring"
+        " buffer).")] = 1_000_000,
+    top: Annotated[int, typer.Option("--top", min=1, help="Allocation sites to list.")] = 10,
+    script: Annotated[list[str] | None, typer.Argument(
+        metavar="[SCRIPT] [ARGS]...", help="The script and its arguments (with -m: the"
+        " module's arguments). Options after the script go to the script.",
+        show_default=False)] = None,
+) -> None:
+    """Run a training script unmodified and break its peak memory into parameters,
+    gradients, optimizer state, activations, temporaries, the allocator's cache and the
+    CUDA context.
+
+    The script runs in this process as Python would run it; its output is untouched and
+    memprof speaks on stderr. The exit code is the script's. A run folder gets
+    report.json, snapshot.pickle (open it with `memprof explain` or PyTorch's memory
+    viewer) and timeline.png, however the script ends.
+
+    Examples: `memprof run train.py --epochs 1`, `memprof run -m mypkg.train`,
+    `torchrun --nproc-per-node 2 -m memprof run train_ddp.py` (one report per rank).
+    """
+    from memprof.analysis.explain import explain
+    from memprof.analysis.settings import parse_alloc_conf, unmodelled
+    from memprof.collect import cuda, session
+    from memprof.collect.launch import Target
+    from memprof.report.json import report_dict, write_json
+    from memprof.report.plot import plot_timeline
+    from memprof.report.run_folder import claim, file_names, run_folder, write_snapshot
+    from memprof.report.run_summary import render_run
+    from memprof.trace.normalize import normalize
+
+    args = list(script or [])
+    if module is None and not args:
+        raise MemprofError("nothing to run: give a script (memprof run train.py) or -m MODULE")
+    target = Target(module, tuple(args), True) if module else Target(args[0], tuple(args[1:]),
+                                                                     False)
+    target.check()
+    if device not in ("auto", "cpu", "cuda"):
+        raise MemprofError(f"--device {device!r}: expected auto, cpu or cuda")
+    use_cuda = device == "cuda" or (device == "auto" and cuda.available())
+    if device == "cuda" and not cuda.available():
+        raise MemprofError("--device cuda: no CUDA device is available here")
+    conf = alloc_conf if alloc_conf is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    try:
+        settings = parse_alloc_conf(conf)
+    except ValueError as exc:
+        raise MemprofError(f"allocator settings {conf!r}: {exc}") from None
+    if unmodelled(settings) and not use_cuda:
+        raise MemprofError(f"allocator settings {conf!r}: {'; '.join(unmodelled(settings))}")
+    rank, world = session.rank()
+    folder = run_folder(target.stem, output, world)
+    names = file_names(rank, world)
+    claim(folder, names, force)
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    recording = session.record(target, use_cuda, max_entries, settings)
+    notes = Console(stderr=True, soft_wrap=True)
+    findings = explain(normalize(recording.snapshot), str(folder / names["snapshot"]), top=top)
+    import torch
+
+    facts = {
+        "command": ["memprof", "run", *(["-m"] if module else []), target.name, *target.args],
+        "started": started,
+        "torch_version": torch.__version__,
+        "device": recording.device,
+        "predicted": recording.predicted,
+        "allocator_conf": settings.conf,
+        "duration_s": round(recording.seconds, 3),
+        "exit": {"status": recording.outcome.status, "code": recording.outcome.exit_code,
+                 "error": recording.outcome.error},
+        "rank": rank,
+        "world_size": world,
+        "cuda": recording.facts or None,
+    }
+    write_snapshot(recording.snapshot, folder / names["snapshot"])
+    if recording.oom_snapshot is not None:
+        write_snapshot(recording.oom_snapshot, folder / names["oom-snapshot"])
+    write_json(report_dict(findings, "run", facts), folder / names["report"])
+    if findings.devices:
+        plot_timeline(findings, folder / names["timeline"], " ".join(facts["command"][2:]))
+        if rank == 0:
+            for d in findings.devices:
+                render_run(d, facts, notes)
+    notes.print(f"\nRun folder: {folder}/ ({', '.join(sorted(p.name for p in folder.iterdir()))})")
+    notes.print(f"Next: memprof explain {folder / names['snapshot']}")
+    sys.stdout.flush()
+    raise typer.Exit(recording.outcome.exit_code)

@@ -1,0 +1,96 @@
+"""Run a user's script or module in this process, exactly as ``python`` would."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import runpy
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from memprof.errors import MemprofError
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What to run: a script path or a module name, and its arguments."""
+
+    name: str
+    args: tuple[str, ...]
+    module: bool
+
+    @property
+    def stem(self) -> str:
+        """A short name for output files: the script's file name or the module's last part."""
+        return self.name.rsplit(".", 1)[-1] if self.module else Path(self.name).stem
+
+    def check(self) -> None:
+        """Fail early, in one line, if there is nothing to run."""
+        if self.module:
+            try:
+                found = importlib.util.find_spec(self.name) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise MemprofError(f"no module named {self.name!r}")
+        elif not Path(self.name).is_file():
+            raise MemprofError(f"{self.name}: no such script")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How the script ended and the exit code ``python`` would have given."""
+
+    status: str  # "completed", "exited", "raised", "interrupted"
+    exit_code: int
+    error: str | None = None
+
+
+def run(target: Target) -> Outcome:
+    """Run ``target`` with ``sys.argv``, ``sys.path[0]`` and ``__main__`` set as Python sets them.
+
+    The script's exceptions are printed as Python prints them (without memprof's frames)
+    and turned into exit codes: ``sys.exit(n)`` gives n, an exception 1, Ctrl-C 130.
+    """
+    saved_argv, saved_path0 = sys.argv[:], sys.path[0]
+    sys.argv = [target.name, *target.args]
+    sys.path[0] = os.getcwd() if target.module else str(Path(target.name).resolve().parent)
+    try:
+        if target.module:
+            runpy.run_module(target.name, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target.name, run_name="__main__")
+    except SystemExit as exc:
+        return _exit_outcome(exc.code)
+    except KeyboardInterrupt:
+        _print_user_traceback()
+        return Outcome("interrupted", 130, "KeyboardInterrupt")
+    except BaseException as exc:  # the script's own failure, reported as Python would
+        _print_user_traceback()
+        return Outcome("raised", 1, f"{type(exc).__name__}: {exc}")
+    finally:
+        sys.argv = saved_argv
+        sys.path[0] = saved_path0
+    return Outcome("completed", 0)
+
+
+def _exit_outcome(code: object) -> Outcome:
+    if code is None:
+        return Outcome("exited", 0)
+    if isinstance(code, int):
+        return Outcome("exited", code)
+    print(code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
+    return Outcome("exited", 1, str(code))
+
+
+def _print_user_traceback() -> None:
+    """Print the current exception, starting at the first frame outside memprof and runpy."""
+    exc_type, exc, tb = sys.exc_info()
+    here = str(Path(__file__).resolve().parent.parent)
+    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here)
+                              or tb.tb_frame.f_code.co_filename == runpy.__file__
+                              or "<frozen runpy>" in tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    traceback.print_exception(exc_type, exc, tb)

@@ -1,0 +1,97 @@
+"""Run a target under a recorder and return its trace in PyTorch's snapshot format."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from memprof.analysis.layout import lay_out
+from memprof.collect import cuda
+from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.launch import Outcome, Target, run
+from memprof.trace.model import AllocatorSettings
+
+
+@dataclass
+class Recording:
+    """A finished run: its snapshot (with exact labels), how it ended, and facts about it."""
+
+    snapshot: dict[str, Any]
+    outcome: Outcome
+    device: str
+    predicted: bool  # the CUDA layout is the allocator model's prediction (no GPU was used)
+    seconds: float
+    facts: dict[str, Any] = field(default_factory=dict)
+    oom_snapshot: dict[str, Any] | None = None
+
+
+def record(target: Target, use_cuda: bool, max_entries: int,
+           settings: AllocatorSettings) -> Recording:
+    """Run ``target`` once under memprof's recorders."""
+    recorder = CpuRecorder()
+    history = cuda.CudaHistory(max_entries) if use_cuda else None
+    if history is not None:
+        history.start()
+    start = time.perf_counter()
+    with recorder:
+        outcome = run(target)
+    seconds = time.perf_counter() - start
+    labelled = recorder.snapshot()
+    if history is not None:
+        snapshot = history.stop()
+        trace = snapshot["device_traces"][torch_device()]
+        snapshot["memprof"] = {
+            **labelled["memprof"], "complete": False, "recorder": "cuda",
+            "labels": cuda.match_labels(trace, labelled["device_traces"][0],
+                                        labelled["memprof"]["labels"]),
+            "steps": cuda.match_steps(trace, labelled["device_traces"][0],
+                                      labelled["memprof"]["steps"])}
+        facts = cuda.device_facts()
+        return Recording(snapshot, outcome, f"cuda ({facts['name']})", False, seconds, facts,
+                         history.oom_snapshot)
+    return Recording(predict_cuda_layout(labelled, settings), outcome,
+                     "cpu (CUDA memory predicted)", True, seconds)
+
+
+def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings) -> dict[str, Any]:
+    """Place a GPU-less recording in CUDA memory as the caching allocator would."""
+    layout = lay_out(snapshot["device_traces"][0], settings)
+    meta = snapshot["memprof"]
+    at = layout.position
+    return {
+        **snapshot,
+        "segments": layout.segments,
+        "device_traces": [layout.trace],
+        "allocator_settings": _settings_dict(settings),
+        "memprof": {
+            **meta,
+            "labels": [[at[i], category] for i, category in meta["labels"]],
+            # steps are exclusive ends: the event after the step's last one
+            "steps": [at[end - 1] + 1 if end else 0 for end in meta["steps"]],
+        },
+    }
+
+
+def _settings_dict(settings: AllocatorSettings) -> dict[str, Any]:
+    """``allocator_settings`` as PyTorch writes it in a snapshot."""
+    divisions = settings.roundup_power2_divisions or (0,) * 16
+    return {
+        "PYTORCH_CUDA_ALLOC_CONF": settings.conf,
+        "max_split_size": settings.max_split_size or -1,
+        "garbage_collection_threshold": settings.garbage_collection_threshold,
+        "expandable_segments": settings.expandable_segments,
+        "roundup_power2_divisions": {str(1 << i): d for i, d in enumerate(divisions)},
+    }
+
+
+def torch_device() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def rank() -> tuple[int, int]:
+    """This process's (rank, world size) under torchrun; (0, 1) otherwise."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

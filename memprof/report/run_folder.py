@@ -1,0 +1,53 @@
+"""The run folder: where ``memprof run`` writes, named after the script, never overwritten."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Any
+
+from memprof.errors import MemprofError
+from memprof.report.files import write_atomic
+
+
+def run_folder(stem: str, output: Path | None, world_size: int, base: Path = Path("reports")
+               ) -> Path:
+    """``-o DIR``, or ``reports/<stem>-<YYYYmmdd-HHMMSS>`` (a free name).
+
+    Under torchrun every rank must pick the same folder without talking to the others:
+    the launcher's run id (or its process id) names it.
+    """
+    if output is not None:
+        return output
+    if world_size > 1:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        return base / f"{stem}-torchrun-{run_id if run_id != 'none' else os.getppid()}"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder, n = base / f"{stem}-{stamp}", 2
+    while folder.exists():
+        folder, n = base / f"{stem}-{stamp}-{n}", n + 1
+    return folder
+
+
+def file_names(rank: int, world_size: int) -> dict[str, str]:
+    """The files of one process; ranks get their number in the names."""
+    tag = f"-rank{rank}" if world_size > 1 else ""
+    return {key: f"{key}{tag}.{ext}" for key, ext in
+            (("report", "json"), ("snapshot", "pickle"), ("timeline", "png"),
+             ("oom-snapshot", "pickle"))}
+
+
+def claim(folder: Path, names: dict[str, str], force: bool) -> None:
+    """Create ``folder``; refuse if this process's files are already there, unless forced."""
+    taken = [n for n in names.values() if (folder / n).exists()]
+    if taken and not force:
+        raise MemprofError(f"{folder}: already holds {taken[0]}; pass --force to overwrite or"
+                           " -o to choose another folder")
+    folder.mkdir(parents=True, exist_ok=True)
+
+
+def write_snapshot(snapshot: dict[str, Any], path: Path) -> None:
+    """Pickle a snapshot as ``torch.cuda.memory._dump_snapshot`` does (plain containers only)."""
+    write_atomic(path, lambda tmp: tmp.write_bytes(pickle.dumps(snapshot, protocol=4)))

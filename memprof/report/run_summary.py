@@ -1,0 +1,68 @@
+"""The console summary of ``memprof run``: the breakdown first, then steps, leak and sites."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from memprof.analysis.findings import DeviceFindings
+from memprof.report.console import CATEGORY_NAMES, leak_text, sites_table, steps_table
+from memprof.trace.model import CATEGORIES
+from memprof.units import format_bytes as fb
+
+
+def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None:
+    """Print the summary of one device of a run."""
+    ended = run["exit"]
+    how = {"completed": "completed", "exited": f"exited with sys.exit({ended['code']})",
+           "raised": f"raised {ended['error']}", "interrupted": "was interrupted (Ctrl-C)"}
+    console.print(Text.assemble(
+        ("memprof run ", "bold"), " ".join(run["command"][2:]), f": {how[ended['status']]},"
+        f" exit code {ended['code']}, {run['duration_s']:.1f} s on {run['device']}"))
+    if run["predicted"]:
+        console.print(Text("No GPU here: tensors were recorded on the CPU and laid out by"
+                           " memprof's model of the CUDA caching allocator; reserved memory is"
+                           " its prediction.", "dim"))
+    console.print(breakdown(d, run))
+    if d.steps:
+        console.print(steps_table(d.steps))
+        console.print(leak_text(d.leak))
+    console.print(sites_table(d.at_peak, "at the peak"))
+
+
+def breakdown(d: DeviceFindings, run: dict[str, Any]) -> Table:
+    """What filled the device at the peak: categories, then the allocator's cache, then context."""
+    when = f"step {_peak_step(d)}" if d.steps else f"event {d.peak_event_index:,}"
+    t = Table(title=f"Memory at the peak ({when})", title_justify="left", header_style="bold",
+              box=None)
+    t.add_column("")
+    t.add_column("bytes", justify="right")
+    t.add_column("share", justify="right")
+    total = d.reserved_at_peak_bytes or 1
+    for key in CATEGORIES:
+        value = d.at_peak.categories[key]
+        t.add_row(CATEGORY_NAMES[key], fb(value), f"{100 * value / total:.1f}%")
+    t.add_row(Text("allocated (max_memory_allocated)", "bold"), fb(d.peak_allocated_bytes), "",
+              end_section=True)
+    cached = d.reserved_at_peak_bytes - d.peak_allocated_bytes
+    t.add_row("cached by the allocator (reserved, unallocated)", fb(cached),
+              f"{100 * cached / total:.1f}%")
+    suffix = ", predicted" if run["predicted"] else ""
+    t.add_row(Text(f"reserved at the peak{suffix}", "bold"), fb(d.reserved_at_peak_bytes), "",
+              end_section=True)
+    context = (run.get("cuda") or {}).get("context_bytes")
+    t.add_row("CUDA context and other non-PyTorch memory",
+              fb(context) if context is not None else "not measured (no GPU)", "")
+    if d.peak_reserved_bytes != d.reserved_at_peak_bytes:
+        t.add_row("peak reserved over the run (max_memory_reserved)", fb(d.peak_reserved_bytes), "")
+    return t
+
+
+def _peak_step(d: DeviceFindings) -> str:
+    for p in d.steps:
+        if p.start <= d.peak_event_index < p.end:
+            return str(p.step)
+    return "after the last step" if d.peak_event_index >= d.steps[-1].end else "before step 1"
