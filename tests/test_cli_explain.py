@@ -107,3 +107,19 @@ def test_device_filter_and_unknown_device(tmp_path):
 def test_empty_snapshot_is_explained(tmp_path):
     result = memprof("explain", str(fixture("angelolmn")), cwd=tmp_path)
     assert result.returncode == 0 and "empty" in result.stdout
+
+
+@needs_fixtures
+def test_a_run_folder_shows_every_rank_and_the_imbalance(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for rank, name in enumerate(("MAGMA27", "bcrafton")):
+        (folder / f"snapshot-rank{rank}.pickle").write_bytes(fixture(name).read_bytes())
+    result = memprof("explain", str(folder), "--json", "-o", "-", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [(d["rank"], d["device"]) for d in report["devices"]] == [(0, 0), (1, 0)]
+    peaks = [d["peak"]["allocated_bytes"] for d in report["devices"]]
+    assert report["imbalance"]["max_over_min"] == round(max(peaks) / min(peaks), 4)
+    text = memprof("explain", str(folder), cwd=tmp_path)
+    assert "imbalance" in text.stdout and "rank 1" in text.stdout

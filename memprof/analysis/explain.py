@@ -41,15 +41,22 @@ BEFORE_WINDOW = Site(None, None, "allocated before the recorded window")
 
 
 def explain(snapshot: Snapshot, source: str = "", devices: Sequence[int] | None = None,
-            top: int = 10, what_ifs: Sequence[AllocatorSettings] = ()) -> Findings:
+            top: int = 10, what_ifs: Sequence[AllocatorSettings] = (),
+            rank: int | None = None) -> Findings:
     """Analyse every device of ``snapshot`` (or those in ``devices``)."""
     chosen = snapshot.devices if devices is None else [d for d in snapshot.devices if d in devices]
-    return Findings(
-        source=source,
-        format=snapshot.format,
-        allocator_conf=snapshot.settings.conf,
-        devices=[_device(snapshot, d, top, what_ifs) for d in chosen],
-    )
+    found = [_device(snapshot, d, top, what_ifs) for d in chosen]
+    for d in found:
+        d.rank = rank
+    return Findings(source=source, format=snapshot.format,
+                    allocator_conf=snapshot.settings.conf, devices=found)
+
+
+def merge_ranks(source: str, per_rank: Sequence[Findings]) -> Findings:
+    """One report of the ranks of a distributed run (each rank's devices, tagged)."""
+    first = per_rank[0]
+    return Findings(source=source, format=first.format, allocator_conf=first.allocator_conf,
+                    devices=[d for f in per_rank for d in f.devices])
 
 
 def _device(snapshot: Snapshot, device: int, top: int,

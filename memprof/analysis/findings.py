@@ -148,6 +148,7 @@ class DeviceFindings:
     timeline: Timeline
     steps: list[StepPeak] = field(default_factory=list)
     leak: Leak | None = None
+    rank: int | None = None  # the process under torchrun, for a run folder of several
     # allocated bytes per category after each event (state before the first included);
     # only where categories are exact
     category_timeline: dict[str, np.ndarray] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -9,6 +10,7 @@ import typer
 from rich.console import Console
 
 from memprof.analysis.explain import explain as analyse
+from memprof.analysis.explain import merge_ranks
 from memprof.analysis.settings import parse_alloc_conf, unmodelled
 from memprof.errors import MemprofError
 from memprof.report import console as console_report
@@ -21,7 +23,8 @@ from memprof.trace.model import AllocatorSettings
 def explain(
     snapshot: Annotated[Path, typer.Argument(
         help="A snapshot from torch.cuda.memory._dump_snapshot() (any format since PyTorch 2.0),"
-        " or the snapshot.pickle of a memprof run.", show_default=False)],
+        " or a memprof run folder (every rank of a distributed run, and their imbalance).",
+        show_default=False)],
     json: Annotated[bool, typer.Option(
         "--json", help="Also write the report as JSON (schema memprof.report/1) to"
         " OUT_DIR/NAME.json.")] = False,
@@ -50,7 +53,7 @@ def explain(
     allocator's: **allocated** is what `torch.cuda.max_memory_allocated()` reports,
     **reserved** what `torch.cuda.max_memory_reserved()` reports.
     """
-    stem = snapshot.stem
+    stem = snapshot.resolve().name if snapshot.is_dir() else snapshot.stem
     json_path = output if output is not None else out_dir / f"{stem}.json"
     to_stdout = str(json_path) == "-"
     plot_path = out_dir / f"{stem}-timeline.png"
@@ -61,11 +64,15 @@ def explain(
         if wanted:
             check_writable(path, force)
 
-    snap = load_snapshot(snapshot)
-    if device and not set(device) & set(snap.devices):
-        raise MemprofError(f"{snapshot}: no device {device} in this snapshot"
-                           f" (it has {snap.devices or 'none'})")
-    findings = analyse(snap, str(snapshot), devices=device or None, top=top, what_ifs=settings)
+    per_rank = []
+    for rank, path in _snapshots(snapshot):
+        snap = load_snapshot(path)
+        if device and not set(device) & set(snap.devices):
+            raise MemprofError(f"{path}: no device {device} in this snapshot"
+                               f" (it has {snap.devices or 'none'})")
+        per_rank.append(analyse(snap, str(path), devices=device or None, top=top,
+                                what_ifs=settings, rank=rank))
+    findings = merge_ranks(str(snapshot), per_rank) if snapshot.is_dir() else per_rank[0]
     out = Console()
     if json and to_stdout:
         import json as json_module
@@ -82,6 +89,19 @@ def explain(
 
         plot_timeline(findings, plot_path)
         notes.print(f"Timeline plot: {plot_path}")
+
+
+def _snapshots(path: Path) -> list[tuple[int | None, Path]]:
+    """The snapshot file, or the snapshots of a run folder with their ranks."""
+    if not path.is_dir():
+        return [(None, path)]
+    found = sorted(path.glob("snapshot*.pickle"))
+    if not found:
+        raise MemprofError(f"{path}: a directory with no snapshot*.pickle; pass a snapshot file"
+                           " or a memprof run folder")
+    ranks = [re.search(r"-rank(\d+)", p.name) for p in found]
+    return sorted(((int(m.group(1)) if m else None, p) for m, p in zip(ranks, found, strict=True)),
+                  key=lambda rp: (rp[0] or 0))
 
 
 def _what_if_settings(conf: str) -> AllocatorSettings:

@@ -35,6 +35,9 @@ def run(
         "--max-entries", min=1000, help="CUDA: events the allocator history keeps (a ring"
         " buffer).")] = 1_000_000,
     top: Annotated[int, typer.Option("--top", min=1, help="Allocation sites to list.")] = 10,
+    profile: Annotated[bool, typer.Option(
+        "--profile", help="Also run torch.profiler over optimizer steps 2-3 and write its"
+        " Chrome trace (open in chrome://tracing or Perfetto) to the run folder.")] = False,
     script: Annotated[list[str] | None, typer.Argument(
         metavar="[SCRIPT] [ARGS]...", help="The script and its arguments (with -m: the"
         " module's arguments). Options after the script go to the script.",
@@ -86,7 +89,8 @@ def run(
     claim(folder, names, force)
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    recording = session.record(target, use_cuda, max_entries, settings)
+    profile_path = folder / names["profile"] if profile else None
+    recording = session.record(target, use_cuda, max_entries, settings, profile_path)
     notes = Console(stderr=True, soft_wrap=True)
     findings = explain(normalize(recording.snapshot), str(folder / names["snapshot"]), top=top)
     import torch

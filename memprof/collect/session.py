@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from memprof.analysis.layout import lay_out
 from memprof.collect import cuda
 from memprof.collect.cpu_recorder import CpuRecorder
 from memprof.collect.launch import Outcome, Target, run
+from memprof.collect.profiler import StepWindowProfiler
 from memprof.trace.model import AllocatorSettings
 
 
@@ -27,16 +29,23 @@ class Recording:
     oom_snapshot: dict[str, Any] | None = None
 
 
-def record(target: Target, use_cuda: bool, max_entries: int,
-           settings: AllocatorSettings) -> Recording:
-    """Run ``target`` once under memprof's recorders."""
+def record(target: Target, use_cuda: bool, max_entries: int, settings: AllocatorSettings,
+           profile_to: Path | None = None) -> Recording:
+    """Run ``target`` once under memprof's recorders (and torch.profiler, with ``profile_to``)."""
     recorder = CpuRecorder()
     history = cuda.CudaHistory(max_entries) if use_cuda else None
+    profiler = StepWindowProfiler(profile_to) if profile_to is not None else None
     if history is not None:
         history.start()
     start = time.perf_counter()
     with recorder:
-        outcome = run(target)
+        if profiler is not None:
+            profiler.start()
+        try:
+            outcome = run(target)
+        finally:
+            if profiler is not None:
+                profiler.stop()
     seconds = time.perf_counter() - start
     labelled = recorder.snapshot()
     if history is not None:

@@ -39,6 +39,22 @@ def render(findings: Findings, console: Console) -> None:
         return
     for device in findings.devices:
         console.print(_device(device))
+    if len({d.rank for d in findings.devices}) > 1:
+        console.print(ranks_table(findings.devices))
+
+
+def ranks_table(devices: list[DeviceFindings]) -> Table:
+    """Peak memory per rank of a distributed run, and how uneven it is."""
+    t = Table(title="Ranks", title_justify="left", box=None, header_style="bold")
+    for col in ("rank", "device", "peak allocated", "peak reserved"):
+        t.add_column(col, justify="right")
+    for d in devices:
+        t.add_row(str(d.rank), str(d.device), fb(d.peak_allocated_bytes),
+                  fb(d.peak_reserved_bytes))
+    peaks = [d.peak_allocated_bytes for d in devices]
+    t.caption = (f"imbalance: the largest rank peaks at {max(peaks) / max(min(peaks), 1):.2f}x"
+                 " the smallest")
+    return t
 
 
 def _device(d: DeviceFindings) -> Panel:
@@ -49,7 +65,8 @@ def _device(d: DeviceFindings) -> Panel:
     parts.extend(_oom(o, same_as_peak=o.live.allocated_bytes == d.peak_allocated_bytes)
                  for o in d.ooms)
     parts.append(_replay(d.replay))
-    return Panel(Group(*parts), title=f"device {d.device}", title_align="left")
+    title = f"device {d.device}" if d.rank is None else f"rank {d.rank}, device {d.device}"
+    return Panel(Group(*parts), title=title, title_align="left")
 
 
 def _headline(d: DeviceFindings) -> Table:

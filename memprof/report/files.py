@@ -26,6 +26,9 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 is for the temporary file only
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

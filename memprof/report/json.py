@@ -26,6 +26,12 @@ def report_dict(findings: Findings, command: str = "explain",
     }
     if run is not None:
         data["run"] = run
+    ranks = sorted({d.rank for d in findings.devices if d.rank is not None})
+    if len(ranks) > 1:
+        peaks = [d.peak_allocated_bytes for d in findings.devices]
+        data["imbalance"] = {"ranks": ranks, "peak_allocated_min_bytes": min(peaks),
+                             "peak_allocated_max_bytes": max(peaks),
+                             "max_over_min": round(max(peaks) / max(min(peaks), 1), 4)}
     return data
 
 
@@ -38,6 +44,7 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
     frag = d.fragmentation
     return {
         "device": d.device,
+        "rank": d.rank,
         "events": d.events,
         "window": {
             "first_time_us": d.first_time_us,

@@ -13,6 +13,7 @@ import numpy as np
 from memprof.analysis.findings import Findings
 from memprof.report.files import write_atomic
 
+
 def _unit(peak: int) -> tuple[str, float]:
     for name, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if peak >= 1 << shift:

@@ -36,16 +36,21 @@ def file_names(rank: int, world_size: int) -> dict[str, str]:
     tag = f"-rank{rank}" if world_size > 1 else ""
     return {key: f"{key}{tag}.{ext}" for key, ext in
             (("report", "json"), ("snapshot", "pickle"), ("timeline", "png"),
-             ("oom-snapshot", "pickle"))}
+             ("oom-snapshot", "pickle"), ("profile", "json"))}
 
 
 def claim(folder: Path, names: dict[str, str], force: bool) -> None:
     """Create ``folder``; refuse if this process's files are already there, unless forced."""
+    if folder.exists() and not folder.is_dir():
+        raise MemprofError(f"{folder}: exists and is not a folder; pass -o with a folder path")
     taken = [n for n in names.values() if (folder / n).exists()]
     if taken and not force:
         raise MemprofError(f"{folder}: already holds {taken[0]}; pass --force to overwrite or"
                            " -o to choose another folder")
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MemprofError(f"{folder}: cannot create the run folder ({exc.strerror})") from None
 
 
 def write_snapshot(snapshot: dict[str, Any], path: Path) -> None:
