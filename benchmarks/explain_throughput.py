@@ -27,7 +27,8 @@ def main() -> None:
         explain = run([sys.executable, "-m", "memprof", "explain", str(snapshot), "--json",
                        "-o", str(Path(tmp) / "report.json")])
     rows = [
-        ["bare restricted load", f"{load.seconds:.2f}", f"{load.peak_rss_mib:.0f}", "1.00", "1.00"],
+        ["bare restricted load", f"{load.seconds:.2f}", f"{load.peak_rss_mib:.0f}", "1.00",
+         "1.00"],
         ["memprof explain --json", f"{explain.seconds:.2f}", f"{explain.peak_rss_mib:.0f}",
          f"{explain.seconds / load.seconds:.2f}", f"{explain.peak_rss_mib / load.peak_rss_mib:.2f}"],
     ]

@@ -36,7 +36,8 @@ def main() -> None:
     replay_s = time.perf_counter() - t
     c = result.check
     rows = [
-        ["restricted load of the pickle", f"{load_s:.2f}", f"{len(device) / load_s:,.0f}", "1.00"],
+        ["restricted load of the pickle", f"{load_s:.2f}", f"{len(device) / load_s:,.0f}",
+         "1.00"],
         ["replay (check mode)", f"{replay_s:.2f}", f"{len(device) / replay_s:,.0f}",
          f"{replay_s / load_s:.2f}"],
     ]

@@ -68,7 +68,8 @@ def test_json_report_follows_the_schema(tmp_path):
     report = json.loads(result.stdout)
     assert report["schema"] == "memprof.report/1"
     raw = load_raw(path)
-    assert [d["device"] for d in report["devices"]] == sorted({s["device"] for s in raw["segments"]})
+    devices = sorted({s["device"] for s in raw["segments"]})
+    assert [d["device"] for d in report["devices"]] == devices
     for d in report["devices"]:
         assert sum(d["categories"].values()) == d["peak"]["allocated_bytes"]
         assert d["categories_inferred"] is True
