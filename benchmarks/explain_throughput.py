@@ -30,7 +30,8 @@ def main() -> None:
         ["bare restricted load", f"{load.seconds:.2f}", f"{load.peak_rss_mib:.0f}", "1.00",
          "1.00"],
         ["memprof explain --json", f"{explain.seconds:.2f}", f"{explain.peak_rss_mib:.0f}",
-         f"{explain.seconds / load.seconds:.2f}", f"{explain.peak_rss_mib / load.peak_rss_mib:.2f}"],
+         f"{explain.seconds / load.seconds:.2f}",
+         f"{explain.peak_rss_mib / load.peak_rss_mib:.2f}"],
     ]
     write_table("explain_throughput",
                 ["run", "seconds", "peak RSS (MiB)", "time ratio", "RSS ratio"], rows,

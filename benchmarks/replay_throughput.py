@@ -44,7 +44,8 @@ def main() -> None:
     write_table("replay_throughput", ["step", "seconds", "events/s", "ratio to load"], rows,
                 f"{len(device):,} events; decisions reproduced {c.decisions_matched:,}/"
                 f"{c.decisions_total:,}, addresses {c.addresses_matched:,}/{c.addresses_total:,}."
-                f" Measured in one run, in one process. Target: ratio <= 1.0. Machine: {machine()}.")
+                " Measured in one run, in one process. Target: ratio <= 1.0."
+                f" Machine: {machine()}.")
 
 
 if __name__ == "__main__":
