@@ -50,9 +50,10 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
     labelled = recorder.snapshot()
     if history is not None:
         snapshot = history.stop()
-        trace = snapshot["device_traces"][torch_device()]
+        device = torch_device()
+        trace = snapshot["device_traces"][device]
         snapshot["memprof"] = {
-            **labelled["memprof"], "complete": False, "recorder": "cuda",
+            **labelled["memprof"], "complete": False, "recorder": "cuda", "device": device,
             "labels": cuda.match_labels(trace, labelled["device_traces"][0],
                                         labelled["memprof"]["labels"]),
             "steps": cuda.match_steps(trace, labelled["device_traces"][0],

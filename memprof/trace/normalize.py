@@ -65,15 +65,17 @@ def normalize(raw: object) -> Snapshot:
         raise NotASnapshot("'device_traces' is not a list")
     traces = {d: _trace(d, events, table) for d, events in enumerate(traces_raw) if events}
     fmt = "2.0" if any(_is_v20(s) for s in raw["segments"]) else "2.1+"
+    # memprof's own key: exact labels and steps of the recorded device
     extra = raw.get("memprof") if isinstance(raw.get("memprof"), dict) else {}
+    device = int(extra.get("device", 0))
     return Snapshot(
         segments=segments,
         traces=traces,
         settings=_settings(raw.get("allocator_settings")),
         format=fmt,
         annotations=[a for a in raw.get("external_annotations") or [] if isinstance(a, dict)],
-        labels={0: {int(i): str(c) for i, c in extra.get("labels", [])}} if extra else {},
-        steps={0: [int(i) for i in extra.get("steps", [])]} if extra else {},
+        labels={device: {int(i): str(c) for i, c in extra.get("labels", [])}} if extra else {},
+        steps={device: [int(i) for i in extra.get("steps", [])]} if extra else {},
         complete=bool(extra.get("complete", False)),
     )
 
