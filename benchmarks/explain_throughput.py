@@ -9,17 +9,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from large_snapshot import build
+from large_snapshot import ensure
 from measure import machine, run, write_table
 
 HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
-    events = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
-    snapshot = HERE / "data" / f"large-{events}.pickle"
-    if not snapshot.exists():
-        build(snapshot, events)
+    events, snapshot = ensure(sys.argv)
     size_mib = snapshot.stat().st_size / 2**20
     with tempfile.TemporaryDirectory() as tmp:
         run([sys.executable, str(HERE / "load_snapshot.py"), str(snapshot)])  # warm the cache

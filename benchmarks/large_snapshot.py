@@ -24,6 +24,16 @@ class _Refuse(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
+def ensure(argv: list[str]) -> tuple[int, Path]:
+    """The event count asked for on the command line (default 1,000,000) and its snapshot,
+    built on first use under benchmarks/data/."""
+    events = int(argv[1]) if len(argv) > 1 else 1_000_000
+    path = ROOT / "benchmarks" / "data" / f"large-{events}.pickle"
+    if not path.exists():
+        build(path, events)
+    return events, path
+
+
 def build(path: Path, events: int = 1_000_000, source: Path = FIXTURE) -> Path:
     """Write a snapshot of at least ``events`` trace events to ``path``."""
     raw = _Refuse(source.open("rb")).load()
@@ -59,6 +69,4 @@ def build(path: Path, events: int = 1_000_000, source: Path = FIXTURE) -> Path:
 
 
 if __name__ == "__main__":
-    out = build(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "data" /
-                "large-1000000.pickle")
-    print(out)
+    print(ensure(sys.argv)[1])

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from large_snapshot import build
+from large_snapshot import ensure
 from measure import machine, write_table
 
 from memprof.analysis.replay import replay
@@ -20,10 +20,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
-    events = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
-    snapshot = HERE / "data" / f"large-{events}.pickle"
-    if not snapshot.exists():
-        build(snapshot, events)
+    _, snapshot = ensure(sys.argv)
     load_raw(snapshot)  # warm the file cache
     t = time.perf_counter()
     raw = load_raw(snapshot)

@@ -249,6 +249,17 @@ class CachingAllocator:
             self._split(block, rounded)
         return self._hand_out(block, requested)
 
+    def occupy(self, addr: int, size: int, requested: int, counted: bool = True) -> Block:
+        """Take ``[addr, addr + size)`` as found in a recording's state.
+
+        ``counted=False`` is a block whose free was requested but not yet completed:
+        not allocated any more, not reusable yet.
+        """
+        block = self._hand_out(self._take(addr, size), requested)
+        if not counted:
+            self.release_stats(block)
+        return block
+
     def free(self, block: Block) -> None:
         """Return a block to its pool, merging it with free neighbours (free_completed)."""
         if block.allocated:
@@ -307,12 +318,7 @@ class CachingAllocator:
 
     def unmap_pages(self, addr: int, size: int) -> None:
         """Unmap free pages ``[addr, addr + size)`` (segment_unmap), cutting their range in two."""
-        block = self._blocks.get(addr)
-        if block is None or not block.cached:
-            block = self._carve(addr)
-        self._remove_free(block)
-        if block.size > size:
-            self._split(block, size)
+        block = self._take(addr, size)
         seg, before, after = block.seg, block.prev, block.next
         del self._blocks[block.addr]
         group = seg.group
@@ -403,6 +409,16 @@ class CachingAllocator:
                 other.next.prev = block
         block.size += other.size
 
+    def _take(self, addr: int, size: int) -> Block:
+        """Remove exactly ``[addr, addr + size)`` from the free blocks."""
+        block = self._blocks.get(addr)
+        if block is None or not block.cached:
+            block = self._carve(addr)
+        self._remove_free(block)
+        if block.size > size:
+            self._split(block, size)
+        return block
+
     def _carve(self, addr: int) -> Block:
         """Split a free block so that one starts at ``addr`` (a recording diverged from us)."""
         block = self.containing(addr)
@@ -451,20 +467,3 @@ class CachingAllocator:
         addr = self._next_synthetic
         self._next_synthetic += max(self.segment_size(size), size) + ROUND_LARGE
         return addr
-
-    def occupy(self, addr: int, size: int, requested: int, counted: bool = True) -> Block:
-        """Take ``[addr, addr + size)`` as found in a recording's state.
-
-        ``counted=False`` is a block whose free was requested but not yet completed:
-        not allocated any more, not reusable yet.
-        """
-        block = self._blocks.get(addr)
-        if block is None or not block.cached:
-            block = self._carve(addr)
-        self._remove_free(block)
-        if block.size > size:
-            self._split(block, size)
-        self._hand_out(block, requested)
-        if not counted:
-            self.release_stats(block)
-        return block
