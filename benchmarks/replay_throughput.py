@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from large_snapshot import ensure
 from measure import machine, write_table
@@ -15,8 +14,6 @@ from measure import machine, write_table
 from memprof.analysis.replay import replay
 from memprof.trace.load import load_raw
 from memprof.trace.normalize import normalize
-
-HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
