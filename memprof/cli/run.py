@@ -55,22 +55,24 @@ def run(
     Examples: `memprof run train.py --epochs 1`, `memprof run -m mypkg.train`,
     `torchrun --nproc-per-node 2 -m memprof run train_ddp.py` (one report per rank).
     """
-    from memprof.analysis.explain import explain
-    from memprof.analysis.settings import parse_alloc_conf, unmodelled
-    from memprof.collect import cuda, session
     from memprof.collect.launch import Target
-    from memprof.report.json import report_dict, write_json
-    from memprof.report.plot import plot_timeline
-    from memprof.report.run_folder import claim, file_names, run_folder, write_snapshot
-    from memprof.report.run_summary import render_run
-    from memprof.trace.normalize import normalize
 
     args = list(script or [])
     if module is None and not args:
         raise MemprofError("nothing to run: give a script (memprof run train.py) or -m MODULE")
     target = Target(module, tuple(args), True) if module else Target(args[0], tuple(args[1:]),
                                                                      False)
-    target.check()
+    target.check()  # before the slow imports: a typo gets its answer at once
+
+    from memprof.analysis.explain import explain
+    from memprof.analysis.settings import parse_alloc_conf, unmodelled
+    from memprof.collect import cuda, session
+    from memprof.report.json import report_dict, write_json
+    from memprof.report.plot import plot_timeline
+    from memprof.report.run_folder import claim, file_names, run_folder, write_snapshot
+    from memprof.report.run_summary import render_run
+    from memprof.trace.normalize import normalize
+
     if device not in ("auto", "cpu", "cuda"):
         raise MemprofError(f"--device {device!r}: expected auto, cpu or cuda")
     use_cuda = device == "cuda" or (device == "auto" and cuda.available())

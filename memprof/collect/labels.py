@@ -133,4 +133,6 @@ class LabelHooks:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._mark(t, ACTIVATIONS)
-        return t
+        # the tensor itself would make a reference cycle through its grad_fn that keeps
+        # a graph that is never backwarded alive; a detached view shares the storage
+        return t.detach()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import builtins
 import importlib.util
+import io
 import os
 import runpy
 import sys
 import traceback
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +64,7 @@ def run(target: Target) -> Outcome:
         if target.module:
             runpy.run_module(target.name, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(target.name, run_name="__main__")
+            _run_script(target.name)
     except SystemExit as exc:
         return _exit_outcome(exc.code)
     except KeyboardInterrupt:
@@ -74,6 +77,27 @@ def run(target: Target) -> Outcome:
         sys.argv = saved_argv
         sys.path[0] = saved_path0
     return Outcome("completed", 0)
+
+
+def _run_script(path: str) -> None:
+    """Execute a script in a fresh ``__main__``, as ``python path`` does.
+
+    Not ``runpy.run_path``: it would set ``sys.argv[0]`` to whatever path it is given,
+    while Python keeps ``argv[0]`` as typed and makes ``__file__`` absolute.
+    """
+    filename = os.path.join(os.getcwd(), path)
+    with io.open_code(filename) as f:
+        code = compile(f.read(), filename, "exec")
+    main = types.ModuleType("__main__")
+    main.__file__ = filename
+    main.__builtins__ = builtins
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
 def _exit_outcome(code: object) -> Outcome:
@@ -89,7 +113,7 @@ def _print_user_traceback() -> None:
     """Print the current exception, starting at the first frame outside memprof and runpy."""
     exc_type, exc, tb = sys.exc_info()
     here = str(Path(__file__).resolve().parent.parent)
-    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here)
+    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here + os.sep)
                               or tb.tb_frame.f_code.co_filename == runpy.__file__
                               or "<frozen runpy>" in tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
