@@ -120,7 +120,9 @@ def run(
         if rank == 0:
             for d in findings.devices:
                 render_run(d, facts, notes)
-    notes.print(f"\nRun folder: {folder}/ ({', '.join(sorted(p.name for p in folder.iterdir()))})")
-    notes.print(f"Next: memprof explain {folder / names['snapshot']}")
+    if rank == 0:
+        files = ", ".join(sorted(p.name for p in folder.iterdir()))
+        notes.print(f"\nRun folder: {folder}/ ({files})")
+        notes.print(f"Next: memprof explain {folder if world > 1 else folder / names['snapshot']}")
     sys.stdout.flush()
     raise typer.Exit(recording.outcome.exit_code)
