@@ -62,7 +62,7 @@ def _device(d: DeviceFindings) -> Panel:
     if d.steps:
         parts += [Text(""), steps_table(d.steps), leak_text(d.leak)]
     parts.append(_fragmentation(d))
-    parts.extend(_oom(o, same_as_peak=o.live.allocated_bytes == d.peak_allocated_bytes)
+    parts.extend(oom_group(o, same_as_peak=o.live.allocated_bytes == d.peak_allocated_bytes)
                  for o in d.ooms)
     parts.append(_replay(d.replay))
     title = f"device {d.device}" if d.rank is None else f"rank {d.rank}, device {d.device}"
@@ -166,7 +166,8 @@ def _fragmentation(d: DeviceFindings) -> Group:
     return Group(Text(""), t, Text("Segments at the end, by pool and stream", "bold"), pools)
 
 
-def _oom(o: Oom, same_as_peak: bool) -> Group:
+def oom_group(o: Oom, same_as_peak: bool) -> Group:
+    """An out-of-memory event: the request, why it failed, what held the memory."""
     if o.kind == "fragmentation":
         why = (f"Fragmentation: {fb(o.cached_free_bytes)} was cached free, more than the request,"
                f" but the largest free block was {fb(o.largest_free_block_bytes)}. Try"

@@ -9,7 +9,13 @@ from rich.table import Table
 from rich.text import Text
 
 from memprof.analysis.findings import DeviceFindings
-from memprof.report.console import CATEGORY_NAMES, leak_text, sites_table, steps_table
+from memprof.report.console import (
+    CATEGORY_NAMES,
+    leak_text,
+    oom_group,
+    sites_table,
+    steps_table,
+)
 from memprof.trace.model import CATEGORIES
 from memprof.units import format_bytes as fb
 
@@ -31,6 +37,8 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
         console.print(steps_table(d.steps))
         console.print(leak_text(d.leak))
     console.print(sites_table(d.at_peak, "at the peak"))
+    for oom in d.ooms:
+        console.print(oom_group(oom, same_as_peak=oom.live.allocated_bytes == d.peak_allocated_bytes))
 
 
 def breakdown(d: DeviceFindings, run: dict[str, Any]) -> Table:
