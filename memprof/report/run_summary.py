@@ -38,7 +38,8 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
         console.print(leak_text(d.leak))
     console.print(sites_table(d.at_peak, "at the peak"))
     for oom in d.ooms:
-        console.print(oom_group(oom, same_as_peak=oom.live.allocated_bytes == d.peak_allocated_bytes))
+        same = oom.live.allocated_bytes == d.peak_allocated_bytes
+        console.print(oom_group(oom, same_as_peak=same))
 
 
 def breakdown(d: DeviceFindings, run: dict[str, Any]) -> Table:
