@@ -1,0 +1,45 @@
+"""Inferred categories (for foreign snapshots) against the exact labels of a recorded run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from memprof.analysis.explain import explain
+from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.session import predict_cuda_layout
+from memprof.trace.model import AllocatorSettings
+from memprof.trace.normalize import normalize
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def recorded_transformer() -> dict:
+    path = ROOT / "sample_scripts" / "transformer_lm.py"
+    spec = importlib.util.spec_from_file_location("transformer_lm_sample", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+        with CpuRecorder() as recorder:
+            module.main(["--device", "cpu", "--steps", "3"])
+    finally:
+        sys.path.remove(str(path.parent))
+    return predict_cuda_layout(recorder.snapshot(), AllocatorSettings())
+
+
+def test_inference_matches_exact_labels_on_model_state(recorded_transformer):
+    exact = explain(normalize(recorded_transformer)).devices[0]
+    anonymous = {k: v for k, v in recorded_transformer.items() if k != "memprof"}
+    inferred = explain(normalize(anonymous)).devices[0]
+    assert not exact.categories_inferred and inferred.categories_inferred
+    assert inferred.peak_allocated_bytes == exact.peak_allocated_bytes
+    for key in ("parameters", "gradients", "optimizer_state"):
+        assert inferred.at_peak.categories[key] == exact.at_peak.categories[key] > 0
+    # what autograd saved vs. what the forward only used: judged from lifetimes alone
+    saved, inferred_saved = exact.at_peak.categories["activations"], \
+        inferred.at_peak.categories["activations"]
+    assert abs(inferred_saved - saved) <= 0.05 * saved
