@@ -17,6 +17,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from common import add_device_and_seed, build_mlp, parse_with_presets, preset_parser
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -30,34 +31,17 @@ PRESETS: dict[str, dict[str, int]] = {
 
 def build_model(hidden: int, layers: int) -> nn.Sequential:
     """`layers` blocks of Linear + ReLU, then a Linear head."""
-    blocks: list[nn.Module] = []
-    width = IN_FEATURES
-    for _ in range(layers):
-        blocks += [nn.Linear(width, hidden), nn.ReLU()]
-        width = hidden
-    blocks.append(nn.Linear(width, OUT_FEATURES))
-    return nn.Sequential(*blocks)
+    return build_mlp(IN_FEATURES, hidden, layers, OUT_FEATURES)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags; the size flags default to the chosen preset's values."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(PRESETS), default="tiny",
-                        help="preset for the size flags")
-    for name in PRESETS["tiny"]:
-        parser.add_argument(f"--{name}", type=int, default=None,
-                            help=f"override the preset's {name} (batch: per rank)")
+    parser = preset_parser(__doc__.splitlines()[0], PRESETS,
+                           "override the preset's {} (batch: per rank)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps")
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu",
-        help="torch device type (a rank uses cuda:LOCAL_RANK mod the GPU count)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    args = parser.parse_args(argv)
-    for name, value in PRESETS[args.size].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    add_device_and_seed(
+        parser, "torch device type (a rank uses cuda:LOCAL_RANK mod the GPU count)")
+    return parse_with_presets(parser, PRESETS, argv)
 
 
 def _init() -> tuple[int, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from common import add_device_and_seed, build_mlp, parse_with_presets, preset_parser
 from torch import nn
 
 IN_FEATURES = 128
@@ -30,35 +31,17 @@ PRESETS: dict[str, dict[str, int]] = {
 
 def build_model(hidden: int, layers: int) -> nn.Sequential:
     """`layers` blocks of Linear + ReLU, then a Linear head."""
-    blocks: list[nn.Module] = []
-    width = IN_FEATURES
-    for _ in range(layers):
-        blocks += [nn.Linear(width, hidden), nn.ReLU()]
-        width = hidden
-    blocks.append(nn.Linear(width, OUT_FEATURES))
-    return nn.Sequential(*blocks)
+    return build_mlp(IN_FEATURES, hidden, layers, OUT_FEATURES)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags; the size flags default to the chosen preset's values."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(PRESETS), default="tiny",
-                        help="preset for the size flags")
-    for name in PRESETS["tiny"]:
-        parser.add_argument(f"--{name}", type=int, default=None,
-                            help=f"override the preset's {name}")
+    parser = preset_parser(__doc__.splitlines()[0], PRESETS)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
     parser.add_argument("--fixed", action="store_true",
                         help="sum loss.item() instead of the loss tensor: no leak")
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    args = parser.parse_args(argv)
-    for name, value in PRESETS[args.size].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    add_device_and_seed(parser)
+    return parse_with_presets(parser, PRESETS, argv)
 
 
 def main(argv: list[str] | None = None) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from common import add_device_and_seed, build_mlp
 from torch import nn
 
 IN_FEATURES = 128
@@ -16,13 +17,7 @@ OUT_FEATURES = 10
 
 def build_model(hidden: int, layers: int) -> nn.Sequential:
     """`layers` blocks of Linear + ReLU, then a Linear head."""
-    blocks: list[nn.Module] = []
-    width = IN_FEATURES
-    for _ in range(layers):
-        blocks += [nn.Linear(width, hidden), nn.ReLU()]
-        width = hidden
-    blocks.append(nn.Linear(width, OUT_FEATURES))
-    return nn.Sequential(*blocks)
+    return build_mlp(IN_FEATURES, hidden, layers, OUT_FEATURES)
 
 
 def train_step(
@@ -44,10 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=3, help="hidden Linear+ReLU blocks")
     parser.add_argument("--batch", type=int, default=64, help="batch size")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps")
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    add_device_and_seed(parser)
     return parser.parse_args(argv)
 
 

@@ -19,6 +19,7 @@ import argparse
 import sys
 
 import torch
+from common import add_device_and_seed, build_mlp
 from torch import nn
 
 IN_FEATURES = 1024
@@ -27,13 +28,7 @@ OUT_FEATURES = 10
 
 def build_model(hidden: int, layers: int) -> nn.Sequential:
     """`layers` blocks of Linear + ReLU, then a Linear head."""
-    blocks: list[nn.Module] = []
-    width = IN_FEATURES
-    for _ in range(layers):
-        blocks += [nn.Linear(width, hidden), nn.ReLU()]
-        width = hidden
-    blocks.append(nn.Linear(width, OUT_FEATURES))
-    return nn.Sequential(*blocks)
+    return build_mlp(IN_FEATURES, hidden, layers, OUT_FEATURES)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,9 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=256, help="first batch size")
     parser.add_argument("--steps", type=int, default=40,
                         help="most steps (the batch doubles each step)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="torch device (OOM needs a CUDA device)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    add_device_and_seed(parser, "torch device (OOM needs a CUDA device)")
     return parser.parse_args(argv)
 
 

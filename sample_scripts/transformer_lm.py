@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from common import add_device_and_seed, parse_with_presets, preset_parser
 from torch import nn
 from torch.nn import functional as F
 
@@ -98,23 +99,11 @@ def train_step(model: DecoderLM, optimizer: torch.optim.Optimizer, args: argpars
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags; the size flags default to the chosen preset's values."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(PRESETS), default="tiny",
-                        help="preset for the size flags")
-    for name in PRESETS["tiny"]:
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                            help=f"override the preset's {name}")
+    parser = preset_parser(__doc__.splitlines()[0], PRESETS)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
-    parser.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed")
-    args = parser.parse_args(argv)
-    for name, value in PRESETS[args.size].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    add_device_and_seed(parser)
+    return parse_with_presets(parser, PRESETS, argv)
 
 
 def main(argv: list[str] | None = None) -> tuple[DecoderLM, torch.optim.Optimizer]:

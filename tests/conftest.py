@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# the samples import their shared helpers as Python does when it runs them: from their folder
+sys.path.insert(0, str(ROOT / "sample_scripts"))
 FIXTURES = Path(os.environ.get("MEMPROF_FIXTURES",
                                ROOT.parent / "shared" / "fixtures" / "snapshots"))
 

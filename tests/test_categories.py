@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 import pytest
 
@@ -21,13 +20,9 @@ def recorded_transformer() -> dict:
     spec = importlib.util.spec_from_file_location("transformer_lm_sample", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-        with CpuRecorder() as recorder:
-            module.main(["--device", "cpu", "--steps", "3"])
-    finally:
-        sys.path.remove(str(path.parent))
+    spec.loader.exec_module(module)
+    with CpuRecorder() as recorder:
+        module.main(["--device", "cpu", "--steps", "3"])
     return predict_cuda_layout(recorder.snapshot(), AllocatorSettings())
 
 
