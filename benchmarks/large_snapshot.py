@@ -12,16 +12,13 @@ import pickle
 import sys
 from pathlib import Path
 
+from load_snapshot import Refuse
+
 from memprof.analysis.layout import lay_out
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT.parent / "shared" / "fixtures" / "snapshots" / \
     "MAGMA27+assignment2-systems+memory_snapshot.pickle"
-
-
-class _Refuse(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> object:
-        raise pickle.UnpicklingError(f"{module}.{name}")
 
 
 def ensure(argv: list[str]) -> tuple[int, Path]:
@@ -36,7 +33,7 @@ def ensure(argv: list[str]) -> tuple[int, Path]:
 
 def build(path: Path, events: int = 1_000_000, source: Path = FIXTURE) -> Path:
     """Write a snapshot of at least ``events`` trace events to ``path``."""
-    raw = _Refuse(source.open("rb")).load()
+    raw = Refuse(source.open("rb")).load()
     step = [e for e in raw["device_traces"][0]
             if e["action"] in ("alloc", "free_requested", "free_completed")]
     program: list[dict] = []

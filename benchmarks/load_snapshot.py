@@ -4,11 +4,11 @@ import pickle
 import sys
 
 
-class _Refuse(pickle.Unpickler):
+class Refuse(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> object:
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
 if __name__ == "__main__":
     with open(sys.argv[1], "rb") as f:
-        _Refuse(f).load()
+        Refuse(f).load()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -18,8 +19,17 @@ class Run:
     peak_rss_mib: float
 
 
-def run(argv: list[str], cwd: Path | None = None) -> Run:
-    """Run ``argv`` in a child, after a warm-up for the file cache; wall time and peak RSS."""
+def run(argv: list[str], cwd: Path | None = None, repeat: int = 1) -> Run:
+    """Run ``argv`` in a fresh child ``repeat`` times: the median wall time, the peak RSS.
+
+    This machine's timings vary by tens of percent from run to run; medians of three
+    make a ratio worth quoting.
+    """
+    runs = [_run_once(argv, cwd) for _ in range(repeat)]
+    return Run(statistics.median(r.seconds for r in runs), max(r.peak_rss_mib for r in runs))
+
+
+def _run_once(argv: list[str], cwd: Path | None) -> Run:
     code = (
         "import resource, subprocess, sys, time\n"
         "t = time.perf_counter()\n"

@@ -22,10 +22,10 @@ def main() -> None:
     args = sys.argv[1:] or DEFAULT_ARGS
     plain_cmd = [sys.executable, str(SAMPLE), *args]
     run(plain_cmd)  # warm the file cache and torch's first import
-    plain = run(plain_cmd)
+    plain = run(plain_cmd, repeat=3)
     with tempfile.TemporaryDirectory() as tmp:
-        profiled = run([sys.executable, "-m", "memprof", "run", "-o", str(Path(tmp) / "run"),
-                        str(SAMPLE), *args])
+        profiled = run([sys.executable, "-m", "memprof", "run", "--force", "-o",
+                        str(Path(tmp) / "run"), str(SAMPLE), *args], repeat=3)
     rows = [
         ["python sample", f"{plain.seconds:.2f}", "1.00"],
         ["memprof run sample (CPU recorder)", f"{profiled.seconds:.2f}",
@@ -33,7 +33,8 @@ def main() -> None:
     ]
     write_table("run_overhead", ["command", "seconds", "ratio"], rows,
                 f"Sample: transformer_lm.py {' '.join(args)}. Whole commands in fresh processes,"
-                " start-up, analysis and writing the run folder included; measured in one run."
+                " start-up, analysis and writing the run folder included; medians of three,"
+                " measured in one run."
                 f" Target: CPU recorder <= 1.3x (CUDA path <= 1.05x, needs a GPU). {machine()}.")
 
 

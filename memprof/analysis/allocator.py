@@ -235,7 +235,6 @@ class CachingAllocator:
             if block is None and self.settings.expandable_segments:
                 block = self._grow(rounded, stream, pool)
             elif block is None:
-                self.release_to_fit(rounded)
                 seg = self.add_segment(self._synthetic_address(rounded), self.segment_size(rounded),
                                        stream, pool, rounded <= SMALL_SIZE)
                 block = seg.first
@@ -244,6 +243,10 @@ class CachingAllocator:
             if block is None or not block.cached:
                 block = self._carve(at)
         assert block is not None
+        return self.allocate_from(block, requested, rounded)
+
+    def allocate_from(self, block: Block, requested: int, rounded: int) -> Block:
+        """Allocate ``requested`` (rounded to ``rounded``) bytes from the free ``block``."""
         self._remove_free(block)
         if self.should_split(block, rounded):
             self._split(block, rounded)
@@ -276,9 +279,6 @@ class CachingAllocator:
         self.allocated -= block.size
         block.seg.group[2] -= block.size
         self.requested -= block.requested
-
-    def release_to_fit(self, rounded: int) -> None:
-        """Hook for a device limit; the unconstrained simulator never needs to release."""
 
     # -- expandable segments --------------------------------------------------------------
 

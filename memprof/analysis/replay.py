@@ -139,6 +139,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     ooms: list[Moment] = []
     expandable = settings.expandable_segments
     round_size, find_free, malloc = alloc.round_size, alloc.find_free, alloc.malloc
+    allocate_from = alloc.allocate_from
 
     for base in range(0, n, _CHUNK):
         assert trace is not None
@@ -180,7 +181,9 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                 delta_pred[i] = guess_growth
                 pending = []
                 try:
-                    block: Block | None = malloc(size, stream, at=addr)
+                    block: Block | None = allocate_from(predicted, size, rounded) \
+                        if predicted is not None and guess_addr == addr and not grown \
+                        else malloc(size, stream, at=addr)
                     taken = block.size
                 except KeyError:
                     inconsistent += 1

@@ -17,6 +17,7 @@ from memprof.report import console as console_report
 from memprof.report.files import check_writable
 from memprof.report.json import report_dict, write_json
 from memprof.trace import load_snapshot
+from memprof.trace.load import gc_paused
 from memprof.trace.model import AllocatorSettings
 
 
@@ -70,8 +71,9 @@ def explain(
         if device and not set(device) & set(snap.devices):
             raise MemprofError(f"{path}: no device {device} in this snapshot"
                                f" (it has {snap.devices or 'none'})")
-        per_rank.append(analyse(snap, str(path), devices=device or None, top=top,
-                                what_ifs=settings, rank=rank))
+        with gc_paused():  # the analysis makes many objects and no cycles
+            per_rank.append(analyse(snap, str(path), devices=device or None, top=top,
+                                    what_ifs=settings, rank=rank))
     findings = merge_ranks(str(snapshot), per_rank) if snapshot.is_dir() else per_rank[0]
     out = Console()
     if json and to_stdout:
