@@ -129,24 +129,26 @@ class _Codes(dict):
 _CODES = _Codes(ACTION_CODES)
 
 
-def _column(events: list[dict], key: str) -> np.ndarray:
-    """One integer field of every event; missing or None reads as 0."""
+def _column(events: list[dict], key: str, default: int | None = 0) -> np.ndarray | None:
+    """One integer field of every event; where it is missing: ``default``, or None overall."""
     try:
         return np.fromiter(map(itemgetter(key), events), np.int64, len(events))
-    except (KeyError, TypeError):  # the fast path failed: some event lacks the field
-        return np.fromiter((e.get(key) or 0 for e in events), np.int64, len(events))
+    except (KeyError, TypeError):  # some event lacks the field (or holds None)
+        if default is None:
+            return None
+        return np.fromiter((e.get(key) or default for e in events), np.int64, len(events))
 
 
 def _trace(device: int, events: list, table: FrameTable) -> DeviceTrace:
-    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+    if not isinstance(events, list):
         raise NotASnapshot(f"device_traces[{device}] is not a list of events")
     try:
         action = np.fromiter(map(_CODES.__getitem__, map(itemgetter("action"), events)),
                              np.int8, len(events))
         addr, size, stream = (_column(events, k) for k in ("addr", "size", "stream"))
-        timed = all(map(methodcaller("__contains__", "time_us"), events))
-        times = _column(events, "time_us") if timed else None
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        times = _column(events, "time_us", default=None)  # absent before PyTorch 2.2
+        frames = list(map(methodcaller("get", "frames"), events))
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
         raise NotASnapshot(f"malformed event in device_traces[{device}]: {exc}") from None
     oom = np.flatnonzero(action == Action.OOM)
     return DeviceTrace(
@@ -157,7 +159,7 @@ def _trace(device: int, events: list, table: FrameTable) -> DeviceTrace:
         stream=stream,
         time_us=times,
         device_free={int(i): int(events[i].get("device_free", 0) or 0) for i in oom},
-        _frames=list(map(methodcaller("get", "frames"), events)),
+        _frames=frames,
         _convert=table.frames,
     )
 
