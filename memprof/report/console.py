@@ -16,7 +16,7 @@ from memprof.analysis.findings import (
     ReplaySummary,
     StepPeak,
 )
-from memprof.units import format_bytes as fb
+from memprof.report.units import format_bytes as fb
 
 CATEGORY_NAMES = {
     "parameters": "parameters",

@@ -16,8 +16,8 @@ from memprof.report.console import (
     sites_table,
     steps_table,
 )
+from memprof.report.units import format_bytes as fb
 from memprof.trace.model import CATEGORIES
-from memprof.units import format_bytes as fb
 
 
 def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None:
