@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memprof.analysis.allocator import CachingAllocator
+from memprof.analysis.allocator import CachingAllocator, OutOfMemory
 from memprof.analysis.explain import explain
 from memprof.analysis.replay import replay
 from memprof.analysis.settings import parse_alloc_conf, unmodelled
@@ -137,3 +137,54 @@ def test_what_if_expandable_segments_reports_a_peak():
     assert what_if.settings == "expandable_segments:True"
     # the replayed trace's live bytes are the same under any settings; only the cache differs
     assert what_if.peak_reserved_bytes >= what_if.peak_allocated_bytes > 0
+
+
+def test_a_device_limit_releases_the_cache_then_runs_out():
+    a = CachingAllocator(limit=100 * MIB)
+    a.free(a.malloc(60 * MIB))
+    big = a.malloc(70 * MIB)  # 60 + 70 > 100: the cached 60 MiB segment is released first
+    assert a.reserved == 70 * MIB and big.size == 70 * MIB
+    with pytest.raises(OutOfMemory) as oom:
+        a.malloc(40 * MIB)  # nothing cached is left to release
+    assert oom.value.requested == 40 * MIB
+    assert (oom.value.allocated, oom.value.reserved) == (70 * MIB, 70 * MIB)
+
+
+def _aged_cache(threshold: float) -> tuple[CachingAllocator, list]:
+    """Four cached segments freed at different times, then a 100 MiB request."""
+    a = CachingAllocator(AllocatorSettings(garbage_collection_threshold=threshold),
+                         limit=200 * MIB)
+    first, second = a.malloc(30 * MIB), a.malloc(30 * MIB)
+    a.free(first)
+    third = a.malloc(32 * MIB)  # does not fit the cached 30 MiB: a new segment
+    a.free(third)
+    fourth = a.malloc(34 * MIB)
+    a.free(second)
+    a.free(fourth)
+    a.malloc(100 * MIB)  # 126 MiB cached + 100 MiB > 200 MiB
+    return a, [first.seg, second.seg, third.seg, fourth.seg]
+
+
+def test_garbage_collection_frees_the_oldest_cached_segments_first():
+    collected, segs = _aged_cache(0.5)
+    # above half of the limit by 26 MiB: the two oldest (62 MiB) go, the young ones stay
+    assert [s.addr in collected.segments for s in segs] == [False, True, False, True]
+    assert collected.reserved == (30 + 34 + 100) * MIB
+    released, _ = _aged_cache(0.0)  # no garbage collector: everything cached is released
+    assert released.reserved == 100 * MIB
+
+
+@needs_fixtures
+def test_what_if_on_a_smaller_device():
+    path = fixture("HugePandaCoder")
+    snapshot = load_snapshot(path)
+    free = explain(snapshot, str(path), what_ifs=[AllocatorSettings()]).devices[0]
+    unlimited = free.replay.what_if[0]
+    fits = explain(snapshot, str(path), device_memory=unlimited.peak_reserved_bytes).devices[0]
+    assert fits.replay.what_if[0].oom_event_index is None
+    assert fits.replay.what_if[0].peak_reserved_bytes <= unlimited.peak_reserved_bytes
+    # no cache policy fits live tensors into 90% of what they occupy
+    short = explain(snapshot, str(path), device_memory=int(0.9 * free.peak_allocated_bytes),
+                    what_ifs=[parse_alloc_conf("expandable_segments:True")]).devices[0]
+    assert all(w.oom_event_index is not None for w in short.replay.what_if)
+    assert all(w.oom_requested_bytes for w in short.replay.what_if)

@@ -29,8 +29,8 @@ _UNMAPPED_SPACE = 1 << 60
 class Block:
     """A contiguous range of a segment, allocated or free (``slots`` for speed)."""
 
-    __slots__ = ("addr", "allocated", "cached", "mapped", "next", "prev", "requested", "seg",
-                 "size")
+    __slots__ = ("addr", "allocated", "cached", "gc_base", "mapped", "next", "prev", "requested",
+                 "seg", "size")
 
     def __init__(self, addr: int, size: int, seg: Segment, mapped: bool = True) -> None:
         self.addr = addr
@@ -40,6 +40,7 @@ class Block:
         self.allocated = False  # counted in the allocated stat (until free_requested)
         self.cached = True  # in its pool's free list (from free_completed on)
         self.mapped = mapped
+        self.gc_base = 0  # the large pool's search count when it was last freed
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -79,11 +80,30 @@ class FreeBlockStats:
     blocks: int
 
 
-class CachingAllocator:
-    """The allocator state of one device, with the policy of PyTorch's native backend."""
+class OutOfMemory(Exception):
+    """The simulated device cannot hold a request: ``torch.OutOfMemoryError`` on a real one."""
 
-    def __init__(self, settings: AllocatorSettings | None = None) -> None:
+    def __init__(self, requested: int, device_alloc: int, allocated: int, reserved: int) -> None:
+        super().__init__(f"out of memory: {requested} bytes requested")
+        self.requested = requested
+        self.device_alloc = device_alloc
+        self.allocated = allocated
+        self.reserved = reserved
+
+
+class CachingAllocator:
+    """The allocator state of one device, with the policy of PyTorch's native backend.
+
+    ``limit`` caps reserved memory, as ``set_per_process_memory_fraction`` (or a smaller
+    card) does: growing past it first collects garbage (``garbage_collection_threshold``),
+    then releases oversize and then all cached segments, then raises :class:`OutOfMemory`.
+    """
+
+    def __init__(self, settings: AllocatorSettings | None = None, limit: int | None = None
+                 ) -> None:
         self.settings = settings or AllocatorSettings()
+        self.limit = limit
+        self._gc_clock = 0  # searches of the default large pool, the garbage collector's clock
         self.max_split = self.settings.max_split_size or (1 << 63) - 1
         self._any_divisions = any(d > 1 for d in self.settings.roundup_power2_divisions)
         # free blocks per (pool id, small?), kept sorted by (stream, size, addr)
@@ -198,6 +218,8 @@ class CachingAllocator:
 
     def find_free(self, rounded: int, stream: int, pool: tuple[int, int]) -> Block | None:
         """The cached block best fit would take for ``rounded`` bytes, or None."""
+        if self.limit is not None and rounded > SMALL_SIZE and pool == DEFAULT_POOL:
+            self._gc_clock += 1
         keys = self._free.get(self.pool_key(rounded, pool))
         if not keys:
             return None
@@ -232,18 +254,86 @@ class CachingAllocator:
         rounded = self.round_size(requested)
         if at is None:
             block = self.find_free(rounded, stream, pool)
-            if block is None and self.settings.expandable_segments:
-                block = self._grow(rounded, stream, pool)
-            elif block is None:
-                seg = self.add_segment(self._synthetic_address(rounded), self.segment_size(rounded),
-                                       stream, pool, rounded <= SMALL_SIZE)
-                block = seg.first
+            if block is None:
+                block = self._grow_for(rounded, stream, pool, requested)
         else:
             block = self._blocks.get(at)
             if block is None or not block.cached:
                 block = self._carve(at)
         assert block is not None
         return self.allocate_from(block, requested, rounded)
+
+    def _grow_for(self, rounded: int, stream: int, pool: tuple[int, int], requested: int
+                  ) -> Block:
+        """Obtain device memory for ``rounded`` bytes, releasing cache under a limit first."""
+        expandable = self.settings.expandable_segments
+        need = self.grow_plan(rounded, stream, pool)[1] if expandable else \
+            self.segment_size(rounded)
+        if self.limit is not None and self.reserved + need > self.limit:
+            if self.settings.garbage_collection_threshold > 0:
+                self._collect_garbage()
+            if self.reserved + need > self.limit:
+                self._release_oversize(rounded, stream, pool)
+            if self.reserved + need > self.limit:
+                self.release_cached()
+                need = self.grow_plan(rounded, stream, pool)[1] if expandable else need
+            if self.reserved + need > self.limit:
+                raise OutOfMemory(requested, self.segment_size(rounded), self.allocated,
+                                  self.reserved)
+        if expandable:
+            return self._grow(rounded, stream, pool)
+        seg = self.add_segment(self._synthetic_address(rounded), need, stream, pool,
+                               rounded <= SMALL_SIZE)
+        assert seg.first is not None
+        return seg.first
+
+    def _collect_garbage(self) -> None:
+        """Free cached whole segments of the default large pool, oldest first, down to
+        ``garbage_collection_threshold`` of the limit (``garbage_collect_cached_blocks``)."""
+        assert self.limit is not None
+        threshold = int(self.settings.garbage_collection_threshold * self.limit)
+        if self.reserved <= threshold:
+            return
+        target = self.reserved - threshold
+        keys = self._free.get((DEFAULT_POOL, False), [])
+        candidates = [self._blocks[k[2]] for k in keys]
+        candidates = [b for b in candidates if b.prev is None and b.next is None
+                      and not b.seg.expandable]
+        ages = {b.addr: self._gc_clock - b.gc_base for b in candidates}
+        total_age, count, reclaimed, freed = sum(ages.values()), len(candidates), 0, True
+        while reclaimed < target and freed and count:
+            average, freed = total_age / count, False
+            for block in list(candidates):
+                if ages[block.addr] >= average:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= ages[block.addr]
+                    count -= 1
+                    candidates.remove(block)
+                    self.remove_segment(block.seg)
+
+    def _release_oversize(self, rounded: int, stream: int, pool: tuple[int, int]) -> None:
+        """Free cached oversize segments of the request's pool and stream, the smallest one
+        that is big enough, else the largest down (``release_available_cached_blocks``)."""
+        if self.settings.max_split_size is None:
+            return
+        keys = self._free.get(self.pool_key(rounded, pool), [])
+        want = max(rounded, self.max_split)
+        i = bisect.bisect_left(keys, (stream, want, 0))
+        if i < len(keys) and keys[i][0] == stream:
+            self._release_whole(self._blocks[keys[i][2]])
+            return
+        released = 0
+        for key in reversed(keys[:i]):
+            if released >= want or key[1] < self.max_split or key[0] != stream:
+                break
+            released += key[1]
+            self._release_whole(self._blocks[key[2]])
+
+    def _release_whole(self, block: Block) -> None:
+        """Give a free block's segment back, if the block is all of it (oversize blocks are)."""
+        if block.prev is None and block.next is None and not block.seg.expandable:
+            self.remove_segment(block.seg)
 
     def allocate_from(self, block: Block, requested: int, rounded: int) -> Block:
         """Allocate ``requested`` (rounded to ``rounded``) bytes from the free ``block``."""
@@ -452,6 +542,7 @@ class CachingAllocator:
 
     def _insert_free(self, block: Block) -> None:
         bisect.insort(block.seg.free_keys, (block.seg.stream, block.size, block.addr))
+        block.gc_base = self._gc_clock
         self.cached_bytes += block.size
 
     def _remove_free(self, block: Block) -> None:

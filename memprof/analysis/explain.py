@@ -42,10 +42,14 @@ BEFORE_WINDOW = Site(None, None, "allocated before the recorded window")
 
 def explain(snapshot: Snapshot, source: str = "", devices: Sequence[int] | None = None,
             top: int = 10, what_ifs: Sequence[AllocatorSettings] = (),
-            rank: int | None = None) -> Findings:
-    """Analyse every device of ``snapshot`` (or those in ``devices``)."""
+            rank: int | None = None, device_memory: int | None = None) -> Findings:
+    """Analyse every device of ``snapshot`` (or those in ``devices``).
+
+    ``what_ifs`` replay each trace under other allocator settings; ``device_memory``
+    replays it (as recorded and under each what-if) on a device of that many bytes.
+    """
     chosen = snapshot.devices if devices is None else [d for d in snapshot.devices if d in devices]
-    found = [_device(snapshot, d, top, what_ifs) for d in chosen]
+    found = [_device(snapshot, d, top, what_ifs, device_memory) for d in chosen]
     for d in found:
         d.rank = rank
     return Findings(source=source, format=snapshot.format,
@@ -59,8 +63,8 @@ def merge_ranks(source: str, per_rank: Sequence[Findings]) -> Findings:
                     devices=[d for f in per_rank for d in f.devices])
 
 
-def _device(snapshot: Snapshot, device: int, top: int,
-            what_ifs: Sequence[AllocatorSettings]) -> DeviceFindings:
+def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[AllocatorSettings],
+            device_memory: int | None) -> DeviceFindings:
     trace = snapshot.traces.get(device)
     segments = snapshot.segments_of(device)
     # an unmodelled backend still gets the native rules for the timeline; the summary says so
@@ -94,7 +98,8 @@ def _device(snapshot: Snapshot, device: int, top: int,
         categories_inferred=labels is None,
         fragmentation=_fragmentation(result.peak, result.final),
         ooms=[_oom(describe, m, trace) for m in result.ooms],
-        replay=_replay_summary(snapshot, result, segments, reserved, what_ifs, trace),
+        replay=_replay_summary(snapshot, result, segments, reserved, what_ifs, trace,
+                               device_memory),
         timeline=Timeline(allocated, reserved, times),
         steps=peaks,
         leak=_leak(describe, peaks, int(allocated[peak + 1])),
@@ -211,7 +216,7 @@ def _oom(describe: _Describer, moment: Moment, trace: DeviceTrace) -> Oom:
 
 def _replay_summary(snapshot: Snapshot, result: Replay, segments: list[Segment],
                     reserved: np.ndarray, what_ifs: Sequence[AllocatorSettings],
-                    trace: DeviceTrace | None) -> ReplaySummary:
+                    trace: DeviceTrace | None, device_memory: int | None) -> ReplaySummary:
     settings = snapshot.settings
     final_reserved = sum(s.total_size for s in segments)
     final_allocated = sum(s.allocated_size for s in segments)
@@ -237,7 +242,8 @@ def _replay_summary(snapshot: Snapshot, result: Replay, segments: list[Segment],
         final_allocated_recorded_bytes=final_allocated,
         inconsistencies=c.inconsistencies,
     )
-    if trace is not None and len(trace) and what_ifs and not notes:
+    if trace is not None and len(trace) and (what_ifs or device_memory) and not notes:
         base = what_if(trace, result, settings)
-        summary.what_if = [what_if(trace, result, s, baseline=base) for s in what_ifs]
+        runs = [*([settings] if device_memory else []), *what_ifs]
+        summary.what_if = [what_if(trace, result, s, base, device_memory) for s in runs]
     return summary

@@ -90,7 +90,10 @@ class WhatIf:
     settings: str
     peak_reserved_bytes: int
     peak_allocated_bytes: int
-    saved_bytes: int  # against the recorded settings' predicted peak
+    saved_bytes: int  # against the recorded settings in the same simulation
+    device_memory_bytes: int | None = None  # the cap on reserved memory, if one was given
+    oom_event_index: int | None = None  # where it ran out of that memory (-1: at the start)
+    oom_requested_bytes: int | None = None
 
 
 @dataclass(slots=True)

@@ -35,8 +35,12 @@ def parse_alloc_conf(conf: str) -> AllocatorSettings:
     return AllocatorSettings(**fields)  # type: ignore[arg-type]
 
 
-def unmodelled(settings: AllocatorSettings) -> list[str]:
-    """Why a replay under ``settings`` would not follow PyTorch's rules (empty: it would)."""
+def unmodelled(settings: AllocatorSettings, capped: bool = True) -> list[str]:
+    """Why a replay under ``settings`` would not follow PyTorch's rules (empty: it would).
+
+    ``capped``: the replay has a device limit (or follows a recording, whose releases
+    it applies as recorded), without which the garbage collector never runs in PyTorch.
+    """
     reasons = []
     if settings.backend != "native":
         reasons.append(f"backend {settings.backend} is not modelled")
@@ -44,7 +48,7 @@ def unmodelled(settings: AllocatorSettings) -> list[str]:
         key = item.partition(":")[0].strip()
         if key not in MODELLED and key not in HOST_ONLY:
             reasons.append(f"setting {key} is not modelled")
-    if settings.garbage_collection_threshold > 0:
-        reasons.append("garbage_collection_threshold acts only under a memory fraction, which a"
-                       " snapshot does not record: not modelled")
+    if settings.garbage_collection_threshold > 0 and not capped:
+        reasons.append("garbage_collection_threshold acts only under a memory limit: give one"
+                       " (explain --device-memory)")
     return reasons

@@ -1,4 +1,5 @@
-"""Replay a trace under other allocator settings: the peak reserved memory they would give.
+"""Replay a trace under other allocator settings, or on a smaller device: the peak reserved
+memory they would give, and whether it would run out of memory.
 
 No recorded address is used: the simulator places every block itself. Blocks that
 predate the window are allocated first, in address order, since their history under
@@ -8,7 +9,7 @@ other settings is unknown. Where the recording released cached memory
 
 from __future__ import annotations
 
-from memprof.analysis.allocator import Block, CachingAllocator
+from memprof.analysis.allocator import Block, CachingAllocator, OutOfMemory
 from memprof.analysis.findings import WhatIf
 from memprof.analysis.replay import Replay
 from memprof.trace.model import Action, AllocatorSettings, DeviceTrace
@@ -17,20 +18,31 @@ _RELEASES = (Action.SEGMENT_FREE, Action.SEGMENT_UNMAP)
 
 
 def what_if(trace: DeviceTrace, result: Replay, settings: AllocatorSettings,
-            baseline: WhatIf | None = None) -> WhatIf:
-    """Peak allocated and reserved bytes if ``trace`` ran under ``settings``."""
-    alloc = CachingAllocator(settings)
+            baseline: WhatIf | None = None, device_memory: int | None = None) -> WhatIf:
+    """Peak allocated and reserved bytes if ``trace`` ran under ``settings``; with
+    ``device_memory``, also where it would run out of memory on a device that small."""
+    alloc = CachingAllocator(settings, device_memory)
     blocks: dict[int, Block] = {}
-    for b in sorted(result.initial, key=lambda b: b.addr):
-        blocks[b.addr] = alloc.malloc(b.requested)
-        if not b.counted:
-            alloc.release_stats(blocks[b.addr])
+    name = settings.conf or "defaults"
+    try:
+        for b in sorted(result.initial, key=lambda b: b.addr):
+            blocks[b.addr] = alloc.malloc(b.requested)
+            if not b.counted:
+                alloc.release_stats(blocks[b.addr])
+    except OutOfMemory as oom:
+        return WhatIf(name, alloc.reserved, alloc.allocated, 0, device_memory, -1, oom.requested)
     peak_allocated, peak_reserved = alloc.allocated, alloc.reserved
     releasing = False
-    for action, addr, size, stream in zip(trace.action.tolist(), trace.addr.tolist(),
-                                          trace.size.tolist(), trace.stream.tolist(), strict=True):
+    oom_at, oom_size = None, None
+    for i, (action, addr, size, stream) in enumerate(zip(
+            trace.action.tolist(), trace.addr.tolist(), trace.size.tolist(),
+            trace.stream.tolist(), strict=True)):
         if action == Action.ALLOC:
-            blocks[addr] = alloc.malloc(size, stream)
+            try:
+                blocks[addr] = alloc.malloc(size, stream)
+            except OutOfMemory:
+                oom_at, oom_size = i, size
+                break
             if alloc.allocated > peak_allocated:
                 peak_allocated = alloc.allocated
             if alloc.reserved > peak_reserved:
@@ -47,4 +59,4 @@ def what_if(trace: DeviceTrace, result: Replay, settings: AllocatorSettings,
             alloc.release_cached()
         releasing = action in _RELEASES
     saved = baseline.peak_reserved_bytes - peak_reserved if baseline else 0
-    return WhatIf(settings.conf or "defaults", peak_reserved, peak_allocated, saved)
+    return WhatIf(name, peak_reserved, peak_allocated, saved, device_memory, oom_at, oom_size)

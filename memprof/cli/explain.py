@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -12,6 +13,7 @@ from rich.console import Console
 from memprof.analysis.explain import explain as analyse
 from memprof.analysis.explain import merge_ranks
 from memprof.analysis.settings import parse_alloc_conf, unmodelled
+from memprof.cli.sizes import parse_size
 from memprof.errors import MemprofError
 from memprof.report import console as console_report
 from memprof.report.files import check_writable
@@ -44,6 +46,13 @@ def explain(
     what_if: Annotated[list[str] | None, typer.Option(
         "--what-if", metavar="CONF", help="Also replay the trace under these allocator settings,"
         " e.g. 'expandable_segments:True' or 'max_split_size_mb:128' (repeatable).")] = None,
+    device_memory: Annotated[str | None, typer.Option(
+        "--device-memory", metavar="SIZE", help="Replay the trace (as recorded, and under each"
+        " --what-if) on a device with this much memory for PyTorch, e.g. 24GB: does it fit, or"
+        " where does it run out?", show_default=False)] = None,
+    alloc_conf: Annotated[str | None, typer.Option(
+        "--alloc-conf", metavar="CONF", help="The allocator settings the run used, where the"
+        " snapshot does not record them (or records them wrongly).", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite existing output files.")
                      ] = False,
 ) -> None:
@@ -60,7 +69,12 @@ def explain(
     plot_path = out_dir / f"{stem}-timeline.png"
     if output is not None and not json:
         raise MemprofError("--output names where --json writes; add --json")
-    settings = [_what_if_settings(c) for c in what_if or []]
+    try:
+        limit = parse_size(device_memory) if device_memory is not None else None
+    except ValueError as exc:
+        raise MemprofError(f"--device-memory: {exc}") from None
+    settings = [_settings(c, "--what-if", limit is not None) for c in what_if or []]
+    recorded = _settings(alloc_conf, "--alloc-conf", True) if alloc_conf is not None else None
     for path, wanted in ((json_path, json and not to_stdout), (plot_path, plot)):
         if wanted:
             check_writable(path, force)
@@ -68,12 +82,14 @@ def explain(
     per_rank = []
     for rank, path in _snapshots(snapshot):
         snap = load_snapshot(path)
+        if recorded is not None:
+            snap.settings = recorded
         if device and not set(device) & set(snap.devices):
             raise MemprofError(f"{path}: no device {device} in this snapshot"
                                f" (it has {snap.devices or 'none'})")
         with gc_paused():  # the analysis makes many objects and no cycles
             per_rank.append(analyse(snap, str(path), devices=device or None, top=top,
-                                    what_ifs=settings, rank=rank))
+                                    what_ifs=settings, rank=rank, device_memory=limit))
     findings = merge_ranks(str(snapshot), per_rank) if snapshot.is_dir() else per_rank[0]
     out = Console()
     if json and to_stdout:
@@ -106,13 +122,14 @@ def _snapshots(path: Path) -> list[tuple[int | None, Path]]:
                   key=lambda rp: (rp[0] or 0))
 
 
-def _what_if_settings(conf: str) -> AllocatorSettings:
+def _settings(conf: str, option: str, capped: bool) -> AllocatorSettings:
     try:
         settings = parse_alloc_conf(conf)
     except ValueError as exc:
-        raise MemprofError(f"--what-if {conf!r}: {exc}"
+        raise MemprofError(f"{option} {conf!r}: {exc}"
                            " (expected e.g. 'expandable_segments:True,max_split_size_mb:128')"
                            ) from None
-    if unmodelled(settings):
-        raise MemprofError(f"--what-if {conf!r}: {'; '.join(unmodelled(settings))}")
-    return settings
+    problems = unmodelled(settings, capped)
+    if problems:
+        raise MemprofError(f"{option} {conf!r}: {'; '.join(problems)}")
+    return replace(settings, recorded=True)

@@ -83,8 +83,10 @@ def run(
         settings = parse_alloc_conf(conf)
     except ValueError as exc:
         raise MemprofError(f"allocator settings {conf!r}: {exc}") from None
-    if unmodelled(settings) and not use_cuda:
-        raise MemprofError(f"allocator settings {conf!r}: {'; '.join(unmodelled(settings))}")
+    problems = unmodelled(settings, capped=False)
+    if problems and not use_cuda:
+        raise MemprofError(f"allocator settings {conf!r} for the prediction:"
+                           f" {'; '.join(problems)}")
     rank, world = session.rank()
     folder = run_folder(target.stem, output, world)
     names = file_names(rank, world)

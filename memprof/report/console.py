@@ -199,8 +199,18 @@ def _replay(r: ReplaySummary) -> Text:
                 f" recorded {fb(r.reserved_bytes_recorded_peak)}")
     text = Text.assemble(("\nAllocator replay: ", "bold"), line, f" ({r.note})")
     for w in r.what_if:
-        change = f"saves {fb(w.saved_bytes)}" if w.saved_bytes >= 0 else \
-            f"costs {fb(-w.saved_bytes)} more"
-        text.append(f"\n  what if {w.settings}: peak reserved {fb(w.peak_reserved_bytes)}, {change}"
-                    " than the recorded settings in the same simulation")
+        text.append(f"\n  what if {w.settings}")
+        if w.device_memory_bytes is not None:
+            text.append(f" on a device with {fb(w.device_memory_bytes)} for PyTorch")
+        if w.oom_event_index is not None:
+            where = "before the first event" if w.oom_event_index < 0 else \
+                f"at event {w.oom_event_index:,}"
+            text.append(f": OUT OF MEMORY {where}, asking for {fb(w.oom_requested_bytes or 0)}",
+                        style="bold red")
+            continue
+        change = f"{fb(w.saved_bytes)} less" if w.saved_bytes >= 0 else \
+            f"{fb(-w.saved_bytes)} more"
+        fits = ", fits" if w.device_memory_bytes is not None else ""
+        text.append(f": peak reserved {fb(w.peak_reserved_bytes)}{fits}; {change} than the"
+                    " recorded settings in the same simulation")
     return text
