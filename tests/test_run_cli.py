@@ -187,6 +187,15 @@ def exits(where: Path) -> tuple[Result, Path]:
 
 
 @job
+def interrupted(where: Path) -> tuple[Result, Path]:
+    (where / "ctrl_c.py").write_text(
+        "import os, signal, time\nimport torch\n\nx = torch.ones(8)\n"
+        "os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C in the terminal sends\n"
+        "time.sleep(30)\n")
+    return memprof_run(where, "-o", where / "out", "ctrl_c.py"), where / "out"
+
+
+@job
 def raises(where: Path) -> tuple[Result, Path, Result]:
     (where / "boom.py").write_text(BOOM)
     return (memprof_run(where, "-o", where / "out", "boom.py"), where / "out",
@@ -380,6 +389,14 @@ def test_sys_exit_code_is_passed_on_and_the_report_written(
     assert result.code == 3
     assert result.stdout == "before exit\n"
     assert report(out)["run"]["exit"] == {"status": "exited", "code": 3, "error": None}
+
+
+def test_ctrl_c_gives_130_and_the_report_is_written(runs: dict[str, Future[Any]]) -> None:
+    result, out = runs["interrupted"].result()
+    assert result.code == 130
+    assert "KeyboardInterrupt" in result.stderr
+    assert report(out)["run"]["exit"]["status"] == "interrupted"
+    assert report(out)["run"]["exit"]["code"] == 130
 
 
 def _frames(traceback_text: str, cwd: Path) -> list[tuple[Path, str, str]]:
