@@ -169,7 +169,7 @@ class _Describer:
 
     def _category(self, event: int, end: int, stack: Frames) -> str:
         if self.labels is not None:
-            return self.labels.get(event, "other")
+            return self.labels.get(event, OTHER)
         alloc_phase = phase_of(stack, self.python_stacks) if event >= 0 else Phase.UNKNOWN
         free_phase = None
         if end < self.n and self.trace is not None:

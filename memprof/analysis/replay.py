@@ -244,8 +244,10 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         initial_reserved=initial_reserved,
         peak=peak,
         ooms=ooms,
-        check=Check(decisions, matched, segments_predicted, segments_recorded, decisions,
-                    addresses, inconsistent, first_mismatch),
+        check=Check(decisions_total=decisions, decisions_matched=matched,
+                    segments_predicted=segments_predicted, segments_recorded=segments_recorded,
+                    addresses_total=decisions, addresses_matched=addresses,
+                    inconsistencies=inconsistent, first_mismatch=first_mismatch),
         final=capture(alloc, n - 1),
     )
 
