@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -132,4 +131,4 @@ def _settings(conf: str, option: str, capped: bool) -> AllocatorSettings:
     problems = unmodelled(settings, capped)
     if problems:
         raise MemprofError(f"{option} {conf!r}: {'; '.join(problems)}")
-    return replace(settings, recorded=True)
+    return settings

@@ -109,7 +109,6 @@ class AllocatorSettings:
     garbage_collection_threshold: float = 0.0
     roundup_power2_divisions: tuple[int, ...] = ()
     backend: str = "native"
-    recorded: bool = False
 
 
 @dataclass(slots=True)
@@ -142,10 +141,8 @@ class Snapshot:
     traces: dict[int, DeviceTrace]
     settings: AllocatorSettings
     format: str
-    annotations: list[dict[str, object]] = field(default_factory=list)
     labels: dict[int, dict[int, str]] = field(default_factory=dict)
     steps: dict[int, list[int]] = field(default_factory=dict)
-    complete: bool = False
 
     @property
     def devices(self) -> list[int]:

@@ -73,10 +73,8 @@ def normalize(raw: object) -> Snapshot:
         traces=traces,
         settings=_settings(raw.get("allocator_settings")),
         format=fmt,
-        annotations=[a for a in raw.get("external_annotations") or [] if isinstance(a, dict)],
         labels={device: {int(i): str(c) for i, c in extra.get("labels", [])}} if extra else {},
         steps={device: [int(i) for i in extra.get("steps", [])]} if extra else {},
-        complete=bool(extra.get("complete", False)),
     )
 
 
@@ -180,5 +178,4 @@ def _settings(raw: object) -> AllocatorSettings:
         garbage_collection_threshold=float(raw.get("garbage_collection_threshold", 0.0) or 0.0),
         roundup_power2_divisions=tuple(int(d) for d in divisions),
         backend=backend,
-        recorded=True,
     )
