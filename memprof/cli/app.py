@@ -9,6 +9,7 @@ import typer
 from memprof import __version__
 from memprof.cli import explain, run
 from memprof.errors import MemprofError
+from memprof.report.text import visible
 
 app = typer.Typer(
     name="memprof",
@@ -43,5 +44,5 @@ def main() -> None:
     try:
         app()
     except MemprofError as exc:
-        print(f"memprof: error: {exc.message}", file=sys.stderr)
+        print(f"memprof: error: {visible(exc.message)}", file=sys.stderr)
         sys.exit(exc.exit_code)

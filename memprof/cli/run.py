@@ -71,6 +71,7 @@ def run(
     from memprof.report.plot import plot_timeline
     from memprof.report.run_folder import claim, file_names, run_folder, write_snapshot
     from memprof.report.run_summary import render_run
+    from memprof.report.text import plain
     from memprof.trace.normalize import normalize
 
     if device not in ("auto", "cpu", "cuda"):
@@ -124,7 +125,9 @@ def run(
                 render_run(d, facts, notes)
     if rank == 0:
         files = ", ".join(sorted(p.name for p in folder.iterdir()))
-        notes.print(f"\nRun folder: {folder}/ ({files})")
-        notes.print(f"Next: memprof explain {folder if world > 1 else folder / names['snapshot']}")
+        notes.print()
+        notes.print(plain(f"Run folder: {folder}/ ({files})"))
+        shown = folder if world > 1 else folder / names["snapshot"]
+        notes.print(plain(f"Next: memprof explain {shown}"))
     sys.stdout.flush()
     raise typer.Exit(recording.outcome.exit_code)

@@ -16,6 +16,7 @@ from memprof.analysis.findings import (
     ReplaySummary,
     StepPeak,
 )
+from memprof.report.text import plain, visible
 from memprof.report.units import format_bytes as fb
 
 CATEGORY_NAMES = {
@@ -30,8 +31,8 @@ CATEGORY_NAMES = {
 
 def render(findings: Findings, console: Console) -> None:
     """Print the whole explanation."""
-    settings = findings.allocator_conf or "defaults"
-    console.print(Text.assemble(("memprof explain ", "bold"), findings.source,
+    settings = visible(findings.allocator_conf or "defaults")
+    console.print(Text.assemble(("memprof explain ", "bold"), visible(findings.source),
                                 (f"  (snapshot format {findings.format}, allocator: {settings})",
                                  "dim")))
     if not findings.devices:
@@ -115,7 +116,7 @@ def sites_table(live: Live, moment: str) -> Table:
     sites.add_column("blocks", justify="right")
     sites.add_column("site (your line → the library call under it)")
     for s in live.sites:
-        sites.add_row(fb(s.bytes), f"{100 * s.share:.1f}%", f"{s.count:,}", s.label)
+        sites.add_row(fb(s.bytes), f"{100 * s.share:.1f}%", f"{s.count:,}", plain(s.label))
     return sites
 
 
@@ -137,7 +138,7 @@ def leak_text(leak: Leak | None) -> Text:
     """The leak verdict, one line."""
     if leak is None:
         return Text("No growth across steps: no sign of a leak.", "green")
-    where = f"; grows most: {leak.site.label} (+{fb(leak.site_growth_bytes)})" if leak.site \
+    where = f"; grows most: {visible(leak.site.label)} (+{fb(leak.site_growth_bytes)})" if leak.site \
         else ""
     return Text.assemble(("PROBABLE LEAK", "bold white on red"),
                          f" memory left allocated grew by {fb(leak.growth_per_step_bytes)} per"
@@ -161,7 +162,7 @@ def _fragmentation(d: DeviceFindings) -> Group:
     for col in ("pool", "stream", "segments", "reserved", "allocated"):
         pools.add_column(col, justify="left" if col == "pool" else "right")
     for p in f.pools_at_end:
-        pools.add_row(p.pool, str(p.stream), f"{p.segments:,}", fb(p.reserved_bytes),
+        pools.add_row(plain(p.pool), str(p.stream), f"{p.segments:,}", fb(p.reserved_bytes),
                       fb(p.allocated_bytes))
     return Group(Text(""), t, Text("Segments at the end, by pool and stream", "bold"), pools)
 
@@ -197,9 +198,9 @@ def _replay(r: ReplaySummary) -> Text:
                 f" {r.segments_predicted}/{r.segments_recorded} new segments predicted/recorded;"
                 f" peak reserved predicted {fb(r.reserved_bytes_predicted_peak)},"
                 f" recorded {fb(r.reserved_bytes_recorded_peak)}")
-    text = Text.assemble(("\nAllocator replay: ", "bold"), line, f" ({r.note})")
+    text = Text.assemble(("\nAllocator replay: ", "bold"), line, f" ({visible(r.note)})")
     for w in r.what_if:
-        text.append(f"\n  what if {w.settings}")
+        text.append(f"\n  what if {visible(w.settings)}")
         if w.device_memory_bytes is not None:
             text.append(f" on a device with {fb(w.device_memory_bytes)} for PyTorch")
         if w.oom_event_index is not None:

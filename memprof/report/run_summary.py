@@ -16,6 +16,7 @@ from memprof.report.console import (
     sites_table,
     steps_table,
 )
+from memprof.report.text import visible
 from memprof.report.units import format_bytes as fb
 from memprof.trace.model import CATEGORIES
 
@@ -24,9 +25,9 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
     """Print the summary of one device of a run."""
     ended = run["exit"]
     how = {"completed": "completed", "exited": f"exited with sys.exit({ended['code']})",
-           "raised": f"raised {ended['error']}", "interrupted": "was interrupted (Ctrl-C)"}
+           "raised": f"raised {visible(ended['error'])}", "interrupted": "was interrupted (Ctrl-C)"}
     console.print(Text.assemble(
-        ("memprof run ", "bold"), " ".join(run["command"][2:]), f": {how[ended['status']]},"
+        ("memprof run ", "bold"), visible(" ".join(run["command"][2:])), f": {how[ended['status']]},"
         f" exit code {ended['code']}, {run['duration_s']:.1f} s on {run['device']}"))
     if run["predicted"]:
         console.print(Text("No GPU here: tensors were recorded on the CPU and laid out by"
