@@ -1,4 +1,8 @@
-"""Turn the raw unpickled snapshot (dicts and lists) into the typed model, once, at the edge."""
+"""Turn the raw unpickled snapshot (dicts and lists) into the typed model, once, at the edge.
+
+The raw data comes from a file anyone can write: every field is checked here (type and
+range, see :mod:`memprof.trace.fields`), and nothing past this module sees raw values.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,18 @@ from typing import Any
 
 import numpy as np
 
+from memprof.trace.fields import (
+    MAX_ADDRESS,
+    MAX_BYTES,
+    NotASnapshot,
+    describe,
+    fraction,
+    integer,
+    text,
+)
 from memprof.trace.model import (
     ACTION_CODES,
+    CATEGORIES,
     Action,
     AllocatorSettings,
     Block,
@@ -20,103 +34,155 @@ from memprof.trace.model import (
     Snapshot,
 )
 
+__all__ = ["FrameTable", "NotASnapshot", "normalize"]
 
-class NotASnapshot(ValueError):
-    """The object unpickled fine but is not a memory snapshot."""
+BLOCK_STATES = {"active_allocated": "active_allocated", "inactive": "inactive",
+                "active_pending_free": "active_pending_free",
+                "active_awaiting_free": "active_pending_free"}  # the docs' name for it
+MAX_FRAMES = 1024  # innermost frames kept per stack; real stacks hold a few hundred at most
 
 
 class FrameTable:
-    """Converts raw frame dicts to shared :class:`Frame` objects.
+    """Converts raw frame lists to shared :class:`Frame` tuples.
 
-    Snapshots share frame dicts between events (pickle memoisation), so caching by
-    object identity converts each distinct frame once. The raw lists stay referenced
-    by the trace, which keeps the identities valid.
+    Snapshots share frame dicts (and sometimes whole lists) between events (pickle
+    memoisation), so caching by object identity converts each distinct one once, and a
+    file cannot make memprof build more frames than it holds. The raw lists stay
+    referenced by the trace, which keeps the identities valid.
     """
 
     def __init__(self) -> None:
         self._by_id: dict[int, Frame] = {}
+        self._lists: dict[int, Frames] = {}
 
     def frame(self, raw: Mapping[str, Any]) -> Frame:
         key = id(raw)
         cached = self._by_id.get(key)
         if cached is None:
-            cached = Frame(str(raw.get("filename", "")), int(raw.get("line", 0) or 0),
-                           str(raw.get("name", "")))
+            line = raw.get("line")
+            cached = Frame(text(raw, "filename", "??"),
+                           line if type(line) is int and 0 <= line < 1 << 31 else 0,
+                           text(raw, "name", "??"))
             self._by_id[key] = cached
         return cached
 
     def frames(self, raw: object) -> Frames:
-        if not isinstance(raw, list):
+        if type(raw) is not list:
             return ()
-        return tuple(self.frame(f) for f in raw if isinstance(f, dict))
+        cached = self._lists.get(id(raw))
+        if cached is None:
+            cached = tuple(self.frame(f) for f in raw[:MAX_FRAMES] if type(f) is dict)
+            self._lists[id(raw)] = cached
+        return cached
 
 
-def normalize(raw: object) -> Snapshot:
-    """Build a :class:`Snapshot` from any supported raw format, or raise :class:`NotASnapshot`."""
+def normalize(raw: object, max_items: int | None = None) -> Snapshot:
+    """Build a :class:`Snapshot` from any supported raw format, or raise :class:`NotASnapshot`.
+
+    ``max_items``: refuse a snapshot with more segments, blocks and events than this (a
+    file of N bytes holds fewer than N of them unless it repeats shared lists: a bomb).
+    """
     table = FrameTable()
-    if isinstance(raw, list):
+    if type(raw) is list:
+        _check_size(raw, [], max_items)
         return Snapshot(_segments(raw, table), {}, AllocatorSettings(), "segments-list")
-    if not isinstance(raw, dict) or not isinstance(raw.get("segments"), list):
+    if type(raw) is not dict or type(raw.get("segments")) is not list:
         kind = type(raw).__name__
         raise NotASnapshot(f"a pickled {kind} without the 'segments' list of a snapshot")
-    segments = _segments(raw["segments"], table)
     traces_raw = raw.get("device_traces") or []
-    if not isinstance(traces_raw, list):
+    if type(traces_raw) is not list:
         raise NotASnapshot("'device_traces' is not a list")
+    _check_size(raw["segments"], traces_raw, max_items)
+    segments = _segments(raw["segments"], table)
     traces = {d: _trace(d, events, table) for d, events in enumerate(traces_raw) if events}
     fmt = "2.0" if any(_is_v20(s) for s in raw["segments"]) else "2.1+"
-    # memprof's own key: exact labels and steps of the recorded device
-    extra = raw.get("memprof") if isinstance(raw.get("memprof"), dict) else {}
-    device = int(extra.get("device", 0))
-    return Snapshot(
-        segments=segments,
-        traces=traces,
-        settings=_settings(raw.get("allocator_settings")),
-        format=fmt,
-        labels={device: {int(i): str(c) for i, c in extra.get("labels", [])}} if extra else {},
-        steps={device: [int(i) for i in extra.get("steps", [])]} if extra else {},
-    )
+    snapshot = Snapshot(segments=segments, traces=traces,
+                        settings=_settings(raw.get("allocator_settings")), format=fmt)
+    extra = raw.get("memprof")  # memprof's own key: exact labels and steps of the recorded device
+    if type(extra) is dict and extra:
+        _memprof_extra(snapshot, extra)
+    return snapshot
+
+
+def _check_size(segments: list, traces: list, max_items: int | None) -> None:
+    if max_items is None:
+        return
+    items = len(segments) + sum(len(t) for t in traces if type(t) is list)
+    for s in segments:
+        blocks = s.get("blocks") if type(s) is dict else None
+        items += len(blocks) if type(blocks) is list else 0
+        if items > max_items:
+            break
+    if items > max_items:
+        raise NotASnapshot(f"it unpacks into more than {max_items:,} segments, blocks and"
+                           " events, more than a file of its size can hold: the same lists"
+                           " repeated (a pickle bomb)")
 
 
 def _is_v20(segment: object) -> bool:
-    blocks = segment.get("blocks") if isinstance(segment, dict) else None
-    return bool(blocks) and "address" not in blocks[0]
+    blocks = segment.get("blocks") if type(segment) is dict else None
+    return type(blocks) is list and bool(blocks) and type(blocks[0]) is dict \
+        and "address" not in blocks[0]
 
 
 def _segments(raw: list, table: FrameTable) -> list[Segment]:
     out = []
     for i, s in enumerate(raw):
-        if not isinstance(s, dict) or "address" not in s or "total_size" not in s:
-            raise NotASnapshot(f"segment {i} is not a segment: no 'address'/'total_size'")
-        blocks, addr = [], int(s["address"])
-        for b in s.get("blocks") or []:
-            history = b.get("history") or []
-            # 2.0 blocks carry no address: they tile the segment in order.
-            frames_raw = b.get("frames", history[-1].get("frames") if history else None)
-            blocks.append(Block(
-                address=int(b.get("address", addr)),
-                size=int(b["size"]),
-                requested_size=int(b.get("requested_size", b["size"])),
-                state="active_pending_free" if b["state"] == "active_awaiting_free" else b["state"],
-                frames=table.frames(frames_raw),
-            ))
-            addr = blocks[-1].address + blocks[-1].size
+        where = f"segment {i}"
+        if type(s) is not dict or "address" not in s or "total_size" not in s:
+            raise NotASnapshot(f"{where} is not a segment: no 'address'/'total_size'")
+        address = integer(s, "address", where, MAX_ADDRESS)
+        blocks_raw = s.get("blocks") or []
+        if type(blocks_raw) is not list:
+            raise NotASnapshot(f"{where}: 'blocks' is {describe(blocks_raw)}, not a list")
+        blocks, addr = [], address
+        for j, b in enumerate(blocks_raw):
+            block = _block(b, f"{where} block {j}", addr, table)
+            blocks.append(block)
+            addr = block.address + block.size
         pool = s.get("segment_pool_id") or (0, 0)
+        if type(pool) not in (tuple, list) or len(pool) != 2 or not all(
+                type(p) is int and 0 <= p < 1 << 62 for p in pool):
+            raise NotASnapshot(f"{where}: 'segment_pool_id' is {describe(pool)}, not a pair of"
+                               " numbers")
+        segment_type = text(s, "segment_type", "large")
         out.append(Segment(
-            device=int(s.get("device", 0)),
-            address=int(s["address"]),
-            total_size=int(s["total_size"]),
-            allocated_size=int(s.get("allocated_size", 0)),
-            active_size=int(s.get("active_size", 0)),
-            requested_size=int(s.get("requested_size", 0)),
-            stream=int(s.get("stream", 0)),
-            segment_type=str(s.get("segment_type", "large")),
-            pool_id=(int(pool[0]), int(pool[1])),
-            is_expandable=bool(s.get("is_expandable", False)),
+            device=integer(s, "device", where, default=0),
+            address=address,
+            total_size=integer(s, "total_size", where, MAX_BYTES),
+            allocated_size=integer(s, "allocated_size", where, MAX_BYTES, default=0),
+            active_size=integer(s, "active_size", where, MAX_BYTES, default=0),
+            requested_size=integer(s, "requested_size", where, MAX_BYTES, default=0),
+            stream=integer(s, "stream", where, default=0),
+            segment_type=segment_type if segment_type in ("small", "large") else "large",
+            pool_id=(pool[0], pool[1]),
+            is_expandable=s.get("is_expandable") is True,
             blocks=blocks,
             frames=table.frames(s.get("frames")),
         ))
     return out
+
+
+def _block(b: object, where: str, addr: int, table: FrameTable) -> Block:
+    if type(b) is not dict:
+        raise NotASnapshot(f"{where} is {describe(b)}, not a block")
+    state = b.get("state")
+    if type(state) is not str or state not in BLOCK_STATES:
+        raise NotASnapshot(f"{where}: 'state' is {describe(state)}, not one of"
+                           " active_allocated, active_pending_free, inactive")
+    size = integer(b, "size", where, MAX_BYTES)
+    history = b.get("history")
+    history = history if type(history) is list and history and type(history[-1]) is dict \
+        else None
+    # 2.0 blocks carry no address: they tile the segment in order.
+    frames_raw = b.get("frames", history[-1].get("frames") if history else None)
+    return Block(
+        address=integer(b, "address", where, MAX_ADDRESS, default=addr),
+        size=size,
+        requested_size=integer(b, "requested_size", where, MAX_BYTES, default=size),
+        state=BLOCK_STATES[state],
+        frames=table.frames(frames_raw),
+    )
 
 
 class _Codes(dict):
@@ -137,17 +203,25 @@ def _column(events: list[dict], key: str, default: int | None = 0) -> np.ndarray
         return np.fromiter((e.get(key) or default for e in events), np.int64, len(events))
 
 
-def _trace(device: int, events: list, table: FrameTable) -> DeviceTrace:
-    if not isinstance(events, list):
-        raise NotASnapshot(f"device_traces[{device}] is not a list of events")
+def _trace(device: int, events: object, table: FrameTable) -> DeviceTrace:
+    where = f"device_traces[{device}]"
+    if type(events) is not list:
+        raise NotASnapshot(f"{where} is not a list of events")
     try:
+        if not all(type(e) is dict for e in events):
+            raise TypeError("an event is not a dict")
+        if not all(type(a) is str for a in map(methodcaller("get", "action"), events)):
+            raise TypeError("an event's 'action' is missing or not a string")
         action = np.fromiter(map(_CODES.__getitem__, map(itemgetter("action"), events)),
                              np.int8, len(events))
         addr, size, stream = (_column(events, k) for k in ("addr", "size", "stream"))
         times = _column(events, "time_us", default=None)  # absent before PyTorch 2.2
         frames = list(map(methodcaller("get", "frames"), events))
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
-        raise NotASnapshot(f"malformed event in device_traces[{device}]: {exc}") from None
+        raise NotASnapshot(f"malformed event in {where}: {exc}") from None
+    _in_range(where, "addr", addr, MAX_ADDRESS)
+    _in_range(where, "size", size, MAX_BYTES)
+    _in_range(where, "stream", stream, 1 << 62)
     oom = np.flatnonzero(action == Action.OOM)
     return DeviceTrace(
         device=device,
@@ -156,26 +230,63 @@ def _trace(device: int, events: list, table: FrameTable) -> DeviceTrace:
         size=size,
         stream=stream,
         time_us=times,
-        device_free={int(i): int(events[i].get("device_free", 0) or 0) for i in oom},
+        device_free={int(i): integer(events[i], "device_free", f"{where} event {i}", MAX_BYTES,
+                                     default=0) for i in oom},
         _frames=frames,
         _convert=table.frames,
     )
 
 
+def _in_range(where: str, key: str, column: np.ndarray, limit: int) -> None:
+    if len(column) and (column.min() < 0 or column.max() >= limit):
+        bad = int(np.flatnonzero((column < 0) | (column >= limit))[0])
+        raise NotASnapshot(f"{where} event {bad}: {key!r} is {int(column[bad]):,}, not a number"
+                           f" in [0, {limit:,})")
+
+
 def _settings(raw: object) -> AllocatorSettings:
-    if not isinstance(raw, dict):
+    if type(raw) is not dict:
         return AllocatorSettings()
-    conf = str(raw.get("PYTORCH_CUDA_ALLOC_CONF", "") or "")
-    max_split = int(raw.get("max_split_size", -1) or -1)
-    divisions = raw.get("roundup_power2_divisions") or {}
-    if isinstance(divisions, dict):
-        divisions = [int(v) for _, v in sorted(divisions.items(), key=lambda kv: int(kv[0]))]
+    where = "allocator_settings"
+    conf = text(raw, "PYTORCH_CUDA_ALLOC_CONF")
+    max_split = raw.get("max_split_size")
+    if max_split is not None and (type(max_split) is not int):
+        raise NotASnapshot(f"{where}: 'max_split_size' is {describe(max_split)}, not a number")
+    divisions = raw.get("roundup_power2_divisions") or []
+    if type(divisions) is dict:
+        try:
+            divisions = [v for _, v in sorted(divisions.items(), key=lambda kv: int(kv[0]))]
+        except (TypeError, ValueError):
+            raise NotASnapshot(f"{where}: 'roundup_power2_divisions' has a key that is not a"
+                               " power of two") from None
+    if type(divisions) is not list or not all(type(d) is int and 0 <= d <= 1 << 16
+                                             for d in divisions):
+        raise NotASnapshot(f"{where}: 'roundup_power2_divisions' is {describe(divisions)}, not"
+                           " a list of division counts")
     backend = "cudaMallocAsync" if "cudamallocasync" in conf.lower().replace(" ", "") else "native"
     return AllocatorSettings(
         conf=conf,
-        max_split_size=max_split if 0 < max_split < (1 << 62) else None,
-        expandable_segments=bool(raw.get("expandable_segments", False)),
-        garbage_collection_threshold=float(raw.get("garbage_collection_threshold", 0.0) or 0.0),
-        roundup_power2_divisions=tuple(int(d) for d in divisions),
+        max_split_size=max_split if max_split and 0 < max_split < MAX_BYTES else None,  # -1: unset
+        expandable_segments=raw.get("expandable_segments") is True,
+        garbage_collection_threshold=fraction(raw, "garbage_collection_threshold", where),
+        roundup_power2_divisions=tuple(divisions),
         backend=backend,
     )
+
+
+def _memprof_extra(snapshot: Snapshot, extra: dict) -> None:
+    """memprof's own key: the exact category of each allocation and the step boundaries."""
+    where = "memprof"
+    device = integer(extra, "device", where, default=0)
+    n = len(snapshot.traces[device]) if device in snapshot.traces else 0
+    labels, steps = extra.get("labels") or [], extra.get("steps") or []
+    if type(labels) is not list or not all(
+            type(p) in (list, tuple) and len(p) == 2 and type(p[0]) is int and 0 <= p[0] < n
+            and p[1] in CATEGORIES for p in labels):
+        raise NotASnapshot(f"{where}: 'labels' is not a list of (event index, category) pairs")
+    if type(steps) is not list or not all(type(s) is int and 0 <= s <= n for s in steps) \
+            or steps != sorted(steps):
+        raise NotASnapshot(f"{where}: 'steps' is not an increasing list of event indices"
+                           f" in [0, {n:,}]")
+    snapshot.labels = {device: dict(labels)}
+    snapshot.steps = {device: list(steps)}
