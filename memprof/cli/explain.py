@@ -17,6 +17,7 @@ from memprof.errors import MemprofError
 from memprof.report import console as console_report
 from memprof.report.files import check_writable
 from memprof.report.json import report_dict, write_json
+from memprof.report.text import plain
 from memprof.trace import load_snapshot
 from memprof.trace.load import gc_paused
 from memprof.trace.model import AllocatorSettings
@@ -62,7 +63,8 @@ def explain(
     allocator's: **allocated** is what `torch.cuda.max_memory_allocated()` reports,
     **reserved** what `torch.cuda.max_memory_reserved()` reports.
     """
-    stem = snapshot.resolve().name if snapshot.is_dir() else snapshot.stem
+    is_dir = _is_dir(snapshot)
+    stem = snapshot.resolve().name if is_dir else snapshot.stem
     json_path = output if output is not None else out_dir / f"{stem}.json"
     to_stdout = str(json_path) == "-"
     plot_path = out_dir / f"{stem}-timeline.png"
@@ -79,7 +81,7 @@ def explain(
             check_writable(path, force)
 
     per_rank = []
-    for rank, path in _snapshots(snapshot):
+    for rank, path in _snapshots(snapshot, is_dir):
         snap = load_snapshot(path)
         if recorded is not None:
             snap.settings = recorded
@@ -89,7 +91,7 @@ def explain(
         with gc_paused():  # the analysis makes many objects and no cycles
             per_rank.append(analyse(snap, str(path), devices=device or None, top=top,
                                     what_ifs=settings, rank=rank, device_memory=limit))
-    findings = merge_ranks(str(snapshot), per_rank) if snapshot.is_dir() else per_rank[0]
+    findings = merge_ranks(str(snapshot), per_rank) if is_dir else per_rank[0]
     out = Console()
     if json and to_stdout:
         import json as json_module
@@ -99,20 +101,30 @@ def explain(
         console_report.render(findings, out)
     notes = Console(stderr=True, soft_wrap=True)
     if json and not to_stdout:
-        write_json(report_dict(findings), json_path)
-        notes.print(f"JSON report: {json_path}")
+        write_json(report_dict(findings), json_path, force)
+        notes.print(plain(f"JSON report: {json_path}"))
     if plot and findings.devices:
         from memprof.report.plot import plot_timeline  # matplotlib is slow to import
 
-        plot_timeline(findings, plot_path)
-        notes.print(f"Timeline plot: {plot_path}")
+        plot_timeline(findings, plot_path, overwrite=force)
+        notes.print(plain(f"Timeline plot: {plot_path}"))
 
 
-def _snapshots(path: Path) -> list[tuple[int | None, Path]]:
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # e.g. a name too long: loading it says so
+        return False
+
+
+def _snapshots(path: Path, is_dir: bool) -> list[tuple[int | None, Path]]:
     """The snapshot file, or the snapshots of a run folder with their ranks."""
-    if not path.is_dir():
+    if not is_dir:
         return [(None, path)]
-    found = sorted(path.glob("snapshot*.pickle"))
+    try:
+        found = sorted(path.glob("snapshot*.pickle"))
+    except OSError as exc:
+        raise MemprofError(f"{path}: cannot list the folder ({exc.strerror})") from None
     if not found:
         raise MemprofError(f"{path}: a directory with no snapshot*.pickle; pass a snapshot file"
                            " or a memprof run folder")

@@ -114,12 +114,13 @@ def run(
         "world_size": world,
         "cuda": recording.facts or None,
     }
-    write_snapshot(recording.snapshot, folder / names["snapshot"])
+    write_snapshot(recording.snapshot, folder / names["snapshot"], force)
     if recording.oom_snapshot is not None:
-        write_snapshot(recording.oom_snapshot, folder / names["oom-snapshot"])
-    write_json(report_dict(findings, "run", facts), folder / names["report"])
+        write_snapshot(recording.oom_snapshot, folder / names["oom-snapshot"], force)
+    write_json(report_dict(findings, "run", facts), folder / names["report"], force)
     if findings.devices:
-        plot_timeline(findings, folder / names["timeline"], " ".join(facts["command"][2:]))
+        plot_timeline(findings, folder / names["timeline"], " ".join(facts["command"][2:]),
+                      force)
         if rank == 0:
             for d in findings.devices:
                 render_run(d, facts, notes)

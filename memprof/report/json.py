@@ -35,9 +35,9 @@ def report_dict(findings: Findings, command: str = "explain",
     return data
 
 
-def write_json(data: dict[str, Any], path: Path) -> None:
-    """Write ``data`` to ``path`` atomically."""
-    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
+def write_json(data: dict[str, Any], path: Path, overwrite: bool = False) -> None:
+    """Write ``data`` to ``path`` atomically (over an existing file only with ``overwrite``)."""
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"), overwrite)
 
 
 def _device(d: DeviceFindings) -> dict[str, Any]:

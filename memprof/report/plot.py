@@ -21,7 +21,8 @@ def _unit(peak: int) -> tuple[str, float]:
     return "B", 1.0
 
 
-def plot_timeline(findings: Findings, path: Path, title: str | None = None) -> None:
+def plot_timeline(findings: Findings, path: Path, title: str | None = None,
+                  overwrite: bool = False) -> None:
     """Allocated (stacked by category where exact) and reserved bytes over time, one panel per
     device, the peak marked."""
     devices = findings.devices
@@ -51,7 +52,11 @@ def plot_timeline(findings: Findings, path: Path, title: str | None = None) -> N
         ax.set_title(f"device {d.device}", loc="left", fontsize=10)
         ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", fontsize=8)
-    fig.suptitle(f"memprof: {title or Path(findings.source).name}", fontsize=10)
+    # a "$" in a file name would start matplotlib's math mode
+    name = (title or Path(findings.source).name).replace("$", r"\$")
+    fig.suptitle(f"memprof: {name}", fontsize=10)
     fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
-    plt.close(fig)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), overwrite)
+    finally:
+        plt.close(fig)

@@ -53,6 +53,7 @@ def claim(folder: Path, names: dict[str, str], force: bool) -> None:
         raise MemprofError(f"{folder}: cannot create the run folder ({exc.strerror})") from None
 
 
-def write_snapshot(snapshot: dict[str, Any], path: Path) -> None:
+def write_snapshot(snapshot: dict[str, Any], path: Path, overwrite: bool = False) -> None:
     """Pickle a snapshot as ``torch.cuda.memory._dump_snapshot`` does (plain containers only)."""
-    write_atomic(path, lambda tmp: tmp.write_bytes(pickle.dumps(snapshot, protocol=4)))
+    write_atomic(path, lambda tmp: tmp.write_bytes(pickle.dumps(snapshot, protocol=4)),
+                 overwrite)

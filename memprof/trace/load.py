@@ -1,76 +1,89 @@
-"""Open a snapshot file without ever executing code from it."""
+"""Open a snapshot file without ever executing code from it, within bounded stack and memory."""
 
 from __future__ import annotations
 
-import gc
-import io
+import errno
+import os
 import pickle
-from collections.abc import Iterator
-from contextlib import contextmanager
+import stat
 from pathlib import Path
 
 from memprof.errors import MemprofError
 from memprof.trace.model import Snapshot
 from memprof.trace.normalize import NotASnapshot, normalize
+from memprof.trace.unpickle import Refused, gc_paused, nesting_bound, unpickle, with_stack_for
 
+__all__ = ["gc_paused", "load_raw", "load_snapshot"]
 
-class _NoClassesUnpickler(pickle.Unpickler):
-    """The snapshot format holds only builtin containers and scalars: refuse every class."""
-
-    def find_class(self, module: str, name: str) -> object:
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector.
-
-    A snapshot unpickles into millions of dicts and lists, none in a cycle; without
-    the pause the collector traverses them again and again as they are created, which
-    triples the load time.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+_KINDS = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
 def load_raw(path: str | Path) -> object:
     """Unpickle ``path`` with every class reference refused; raise :class:`MemprofError`."""
-    path = Path(path)
-    if not path.exists():
-        raise MemprofError(f"{path}: no such file")
-    if path.is_dir():
-        raise MemprofError(f"{path}: is a directory; pass a snapshot file (.pickle)")
-    try:
-        with path.open("rb") as f, gc_paused():
-            return _NoClassesUnpickler(io.BufferedReader(f, 1 << 20)).load()
-    except PermissionError as exc:
-        raise MemprofError(f"{path}: cannot read ({exc.strerror})") from None
-    except pickle.UnpicklingError as exc:
-        if str(exc).startswith("refusing to load "):
-            ref = str(exc).removeprefix("refusing to load ")
-            raise MemprofError(
-                f"{path}: the pickle references code ({ref}), which a memory snapshot never"
-                " does; refusing to load it"
-            ) from None
-        raise MemprofError(f"{path}: not a pickle file ({exc})") from None
-    except EOFError:
-        raise MemprofError(f"{path}: the pickle is truncated (unexpected end of file)") from None
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError, OverflowError) as exc:
-        raise MemprofError(f"{path}: not a readable pickle ({exc})") from None
-    except MemoryError:
-        raise MemprofError(f"{path}: too large to load in the memory available") from None
+    return _load(Path(path), lambda raw, size: raw)
 
 
 def load_snapshot(path: str | Path) -> Snapshot:
     """Load and normalise a PyTorch memory snapshot (any format since PyTorch 2.0)."""
-    raw = load_raw(path)
+    return _load(Path(path), lambda raw, size: normalize(raw, max_items=size))
+
+
+def _load(path: Path, then):
+    """Open ``path`` (a regular file only: a FIFO would hang), unpickle it and apply ``then``
+    on a thread with stack enough for the deepest nesting the file could hold."""
     try:
-        with gc_paused():
-            return normalize(raw)
-    except NotASnapshot as exc:
-        raise MemprofError(f"{path}: not a PyTorch memory snapshot ({exc})") from None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise MemprofError(_open_error(path, exc)) from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                kind = next((k for test, k in _KINDS if test(info.st_mode)), "not a regular file")
+                raise MemprofError(f"{path}: is {kind}, not a snapshot file")
+            levels = nesting_bound(f)
+        except OSError as exc:
+            raise MemprofError(f"{path}: cannot read ({exc.strerror})") from None
+
+        def work():
+            raw = unpickle(f, info.st_size)
+            with gc_paused():
+                return then(raw, info.st_size)
+
+        try:
+            return with_stack_for(levels, work)
+        except NotASnapshot as exc:
+            raise MemprofError(f"{path}: not a PyTorch memory snapshot ({exc})") from None
+        except Exception as exc:  # noqa: BLE001 - every failure of a hostile file is one line
+            raise MemprofError(f"{path}: {_load_error(exc)}") from None
+
+
+def _open_error(path: Path, exc: OSError) -> str:
+    if exc.errno == errno.ENOENT:
+        return f"{path}: no such file"
+    if exc.errno == errno.EISDIR:
+        return f"{path}: is a directory; pass a snapshot file (.pickle)"
+    return f"{path}: cannot open ({exc.strerror})"
+
+
+def _load_error(exc: Exception) -> str:
+    """What went wrong while unpickling, in words."""
+    if isinstance(exc, pickle.UnpicklingError) and str(exc).startswith("refusing to load "):
+        ref = str(exc).removeprefix("refusing to load ")
+        return (f"the pickle references code ({ref}), which a memory snapshot never does;"
+                " refusing to load it")
+    if isinstance(exc, EOFError):
+        return "the pickle is truncated (unexpected end of file)"
+    if isinstance(exc, MemoryError):
+        return ("unpickling it needs more memory than a snapshot of its size could: a pickle"
+                " bomb, or too little memory here")
+    if isinstance(exc, RecursionError):
+        return "it nests containers too deeply for a snapshot"
+    if isinstance(exc, Refused):
+        return f"refusing to load it: {exc}"
+    if isinstance(exc, OSError):
+        return f"cannot read ({exc.strerror})"
+    if isinstance(exc, pickle.UnpicklingError):
+        return f"not a pickle file ({exc})"
+    return f"not a readable pickle ({type(exc).__name__}: {exc})"

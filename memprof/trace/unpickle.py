@@ -1,0 +1,128 @@
+"""Unpickling a file anyone can write: no code, bounded nesting, bounded memory.
+
+- No code: every class reference is refused (a snapshot never holds one).
+- Nesting: a dict key that is a tuple nested 200,000 deep overflows the C stack while the
+  unpickler hashes it (a segfault, no exception). Only the tuple opcodes nest what gets
+  hashed, and each runs once, so their byte count bounds the depth; one pass over the
+  file counts them at C speed, and a file that could nest deeper than the calling thread
+  can afford is unpickled on a thread whose stack fits the bound.
+- Memory: a 10-byte pickle can ask the unpickler for gigabytes (``LONG_BINPUT`` of a huge
+  memo index); the address space is capped at a multiple of the file size while it loads.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import pickle
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import BinaryIO, TypeVar
+
+T = TypeVar("T")
+
+TUPLE_OPCODES = b"t\x85\x86\x87"  # TUPLE, TUPLE1, TUPLE2, TUPLE3
+_OTHER_BYTES = bytes(sorted(set(range(256)) - set(TUPLE_OPCODES)))
+STACK_PER_LEVEL = 256  # C stack bytes per level of tuple hashing; 64 measured (CPython 3.11)
+CALLER_LEVELS = 8_192  # nesting any thread can hash (2 MiB of stack at this rate)
+MAX_STACK = 1 << 31
+MEMORY_PER_BYTE = 64  # address space allowed per byte of file while unpickling
+MEMORY_FLOOR = 1 << 30
+
+
+class Refused(Exception):
+    """The file is refused before or while unpickling; the message says why."""
+
+
+class _NoClassesUnpickler(pickle.Unpickler):
+    """The snapshot format holds only builtin containers and scalars: refuse every class."""
+
+    def find_class(self, module: str, name: str) -> object:
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector.
+
+    A snapshot unpickles into millions of dicts and lists, none in a cycle; without
+    the pause the collector traverses them again and again as they are created, which
+    triples the load time.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def nesting_bound(f: BinaryIO) -> int:
+    """How deep the pickle in ``f`` could nest tuples at most (rewinds ``f``)."""
+    count = 0
+    while chunk := f.read(1 << 22):
+        count += len(chunk.translate(None, _OTHER_BYTES))
+    f.seek(0)
+    return count
+
+
+def unpickle(f: BinaryIO, size: int) -> object:
+    """Unpickle ``f`` (a file of ``size`` bytes) with every class reference refused."""
+    with memory_cap(max(MEMORY_FLOOR, MEMORY_PER_BYTE * size)), gc_paused():
+        return _NoClassesUnpickler(io.BufferedReader(f, 1 << 20)).load()  # type: ignore[arg-type]
+
+
+def with_stack_for(levels: int, work: Callable[[], T]) -> T:
+    """``work()``, on a thread whose C stack can hash tuples nested ``levels`` deep."""
+    if levels <= CALLER_LEVELS:
+        return work()
+    stack = levels * STACK_PER_LEVEL + (8 << 20)
+    if stack > MAX_STACK:
+        raise Refused(f"it could nest tuples {levels:,} deep, more than memprof can check")
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, work()))
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append((False, exc))
+
+    previous = threading.stack_size(stack)
+    try:
+        worker = threading.Thread(target=run, name="memprof-unpickle", daemon=True)
+        worker.start()
+    finally:
+        threading.stack_size(previous)
+    worker.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+@contextmanager
+def memory_cap(budget: int) -> Iterator[None]:
+    """Cap the process's address space at its current size plus ``budget`` (Linux)."""
+    try:
+        import resource
+
+        with open("/proc/self/statm") as statm:
+            current = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    cap = current + budget
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    if soft != resource.RLIM_INFINITY and soft <= cap:
+        yield
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
