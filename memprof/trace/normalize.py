@@ -208,12 +208,10 @@ def _trace(device: int, events: object, table: FrameTable) -> DeviceTrace:
     if type(events) is not list:
         raise NotASnapshot(f"{where} is not a list of events")
     try:
-        if not all(type(e) is dict for e in events):
-            raise TypeError("an event is not a dict")
-        if not all(type(a) is str for a in map(methodcaller("get", "action"), events)):
-            raise TypeError("an event's 'action' is missing or not a string")
-        action = np.fromiter(map(_CODES.__getitem__, map(itemgetter("action"), events)),
-                             np.int8, len(events))
+        actions = list(map(itemgetter("action"), events))  # each event: a dict with an action
+        if set(map(type, actions)) - {str}:  # checked before any of them is hashed
+            raise TypeError("an event's 'action' is not a string")
+        action = np.fromiter(map(_CODES.__getitem__, actions), np.int8, len(events))
         addr, size, stream = (_column(events, k) for k in ("addr", "size", "stream"))
         times = _column(events, "time_us", default=None)  # absent before PyTorch 2.2
         frames = list(map(methodcaller("get", "frames"), events))

@@ -4,8 +4,8 @@
 - Nesting: a dict key that is a tuple nested 200,000 deep overflows the C stack while the
   unpickler hashes it (a segfault, no exception). Only the tuple opcodes nest what gets
   hashed, and each runs once, so their byte count bounds the depth; one pass over the
-  file counts them at C speed, and a file that could nest deeper than the calling thread
-  can afford is unpickled on a thread whose stack fits the bound.
+  file counts them at C speed, and the stack is made to fit the bound while unpickling
+  (see :func:`with_stack_for`).
 - Memory: a 10-byte pickle can ask the unpickler for gigabytes (``LONG_BINPUT`` of a huge
   memo index); the address space is capped at a multiple of the file size while it loads.
 """
@@ -16,6 +16,7 @@ import gc
 import io
 import os
 import pickle
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ _OTHER_BYTES = bytes(sorted(set(range(256)) - set(TUPLE_OPCODES)))
 STACK_PER_LEVEL = 256  # C stack bytes per level of tuple hashing; 64 measured (CPython 3.11)
 CALLER_LEVELS = 8_192  # nesting any thread can hash (2 MiB of stack at this rate)
 MAX_STACK = 1 << 31
+MAIN_STACK_MAX = 96 << 20  # below the 128 MiB Linux keeps free under the main stack
 MEMORY_PER_BYTE = 64  # address space allowed per byte of file while unpickling
 MEMORY_FLOOR = 1 << 30
 
@@ -76,12 +78,50 @@ def unpickle(f: BinaryIO, size: int) -> object:
 
 
 def with_stack_for(levels: int, work: Callable[[], T]) -> T:
-    """``work()``, on a thread whose C stack can hash tuples nested ``levels`` deep."""
+    """``work()`` with C stack enough to hash tuples nested ``levels`` deep.
+
+    On the main thread (Linux) the stack grows on demand up to ``RLIMIT_STACK``, checked
+    when it grows, and the kernel keeps at least 128 MiB free below it: raising the soft
+    limit is enough (and Ctrl-C still interrupts the load). Elsewhere, or deeper, ``work``
+    runs on a thread with a stack that fits.
+    """
+    stack = levels * STACK_PER_LEVEL + (1 << 20)
     if levels <= CALLER_LEVELS:
         return work()
-    stack = levels * STACK_PER_LEVEL + (8 << 20)
     if stack > MAX_STACK:
         raise Refused(f"it could nest tuples {levels:,} deep, more than memprof can check")
+    if threading.current_thread() is threading.main_thread():
+        with _main_stack(stack) as raised:
+            if raised:
+                return work()
+    return _on_thread(stack + (8 << 20), work)
+
+
+@contextmanager
+def _main_stack(size: int) -> Iterator[bool]:
+    """Let the main thread's stack grow to ``size`` bytes; yield whether it can."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    except (ImportError, OSError, ValueError):
+        yield False
+        return
+    if soft == resource.RLIM_INFINITY or soft >= size:
+        yield True
+        return
+    if size > MAIN_STACK_MAX or (hard != resource.RLIM_INFINITY and hard < size) \
+            or not sys.platform.startswith("linux"):
+        yield False
+        return
+    resource.setrlimit(resource.RLIMIT_STACK, (size, hard))
+    try:
+        yield True
+    finally:
+        resource.setrlimit(resource.RLIMIT_STACK, (soft, hard))
+
+
+def _on_thread(stack: int, work: Callable[[], T]) -> T:
     outcome: list = []
 
     def run() -> None:
