@@ -194,13 +194,17 @@ _CODES = _Codes(ACTION_CODES)
 
 
 def _column(events: list[dict], key: str, default: int | None = 0) -> np.ndarray | None:
-    """One integer field of every event; where it is missing: ``default``, or None overall."""
+    """One integer field of every event, as numpy reads it (``"12"`` is 12); where it is
+    missing: ``default``, or None overall."""
     try:
-        return np.fromiter(map(itemgetter(key), events), np.int64, len(events))
-    except (KeyError, TypeError):  # some event lacks the field (or holds None)
-        if default is None:
-            return None
-        return np.fromiter((e.get(key) or default for e in events), np.int64, len(events))
+        try:
+            return np.fromiter(map(itemgetter(key), events), np.int64, len(events))
+        except (KeyError, TypeError):  # some event lacks the field (or holds None)
+            if default is None:
+                return None
+            return np.fromiter((e.get(key) or default for e in events), np.int64, len(events))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise NotASnapshot(f"an event's {key!r} is not a number ({exc})") from None
 
 
 def _trace(device: int, events: object, table: FrameTable) -> DeviceTrace:
