@@ -17,7 +17,7 @@ from memprof.errors import MemprofError
 from memprof.report.files import write_atomic
 from memprof.trace.load import load_snapshot
 from memprof.trace.normalize import NotASnapshot, normalize
-from tests.test_hostile_cli import MIB, _snapshot
+from tests.test_hostile_cli import _snapshot
 
 BAD_NUMBERS = ["12", None, math.nan, math.inf, [1], {"a": 1}, -1, 2**70, True]
 

@@ -138,8 +138,8 @@ def leak_text(leak: Leak | None) -> Text:
     """The leak verdict, one line."""
     if leak is None:
         return Text("No growth across steps: no sign of a leak.", "green")
-    where = f"; grows most: {visible(leak.site.label)} (+{fb(leak.site_growth_bytes)})" if leak.site \
-        else ""
+    where = f"; grows most: {visible(leak.site.label)} (+{fb(leak.site_growth_bytes)})" \
+        if leak.site else ""
     return Text.assemble(("PROBABLE LEAK", "bold white on red"),
                          f" memory left allocated grew by {fb(leak.growth_per_step_bytes)} per"
                          f" step over {leak.steps} steps{where}. Something keeps tensors (or"

@@ -1,4 +1,5 @@
-"""Writing output files: atomically, never over an existing file unless asked, one line on failure."""
+"""Writing output files: atomically, never over an existing file unless asked, and one
+line when it fails."""
 
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
     how = {"completed": "completed", "exited": f"exited with sys.exit({ended['code']})",
            "raised": f"raised {visible(ended['error'])}", "interrupted": "was interrupted (Ctrl-C)"}
     console.print(Text.assemble(
-        ("memprof run ", "bold"), visible(" ".join(run["command"][2:])), f": {how[ended['status']]},"
+        ("memprof run ", "bold"), visible(" ".join(run["command"][2:])),
+        f": {how[ended['status']]},"
         f" exit code {ended['code']}, {run['duration_s']:.1f} s on {run['device']}"))
     if run["predicted"]:
         console.print(Text("No GPU here: tensors were recorded on the CPU and laid out by"

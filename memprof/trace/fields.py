@@ -54,7 +54,8 @@ def describe(value: object) -> str:
     if isinstance(value, bool | float) or value is None:
         return repr(value)
     if isinstance(value, int):
-        return f"{value:,}" if value.bit_length() < 64 else f"an integer of {value.bit_length()} bits"
+        bits = value.bit_length()
+        return f"{value:,}" if bits < 64 else f"an integer of {bits} bits"
     if isinstance(value, str):
         return repr(value[:40] + ("..." if len(value) > 40 else ""))
     return f"a {type(value).__name__}"

@@ -47,15 +47,14 @@ def _load(path: Path, then):
             raise MemprofError(f"{path}: cannot read ({exc.strerror})") from None
 
         def work():
-            raw = unpickle(f, info.st_size)
-            with gc_paused():
-                return then(raw, info.st_size)
+            with gc_paused():  # one pause: a collection between the two would visit it all
+                return then(unpickle(f, info.st_size), info.st_size)
 
         try:
             return with_stack_for(levels, work)
         except NotASnapshot as exc:
             raise MemprofError(f"{path}: not a PyTorch memory snapshot ({exc})") from None
-        except Exception as exc:  # noqa: BLE001 - every failure of a hostile file is one line
+        except Exception as exc:
             raise MemprofError(f"{path}: {_load_error(exc)}") from None
 
 
