@@ -18,6 +18,7 @@ from memprof.trace.load import load_snapshot
 from memprof.trace.normalize import NotASnapshot, normalize
 from tests.conftest import fixture, load_raw, needs_fixtures
 
+MIB = 1 << 20
 FUZZ = settings(derandomize=True, max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -35,7 +36,12 @@ hostile = st.one_of(
     st.integers(), st.text(max_size=8), st.binary(max_size=8),
     st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(),
                                                          max_size=2),
-    st.just(((((((),),),),),)), st.just("a[/]b\x1b[2J\n.py"))
+    st.just(((((((),),),),),)), st.just("a[/]b\x1b[2J\n.py"),
+    # plausible values: well-formed files whose parts contradict each other
+    st.integers(0, 2**34), st.sampled_from([512, 2 * MIB, 20 * MIB]),
+    st.sampled_from(["alloc", "free_requested", "free_completed", "segment_alloc",
+                     "segment_free", "segment_map", "segment_unmap", "oom", "snapshot",
+                     "inactive", "active_allocated", "small", "large"]))
 
 
 def containers(obj: object, path: tuple = ()) -> list[tuple]:
@@ -51,10 +57,12 @@ def containers(obj: object, path: tuple = ()) -> list[tuple]:
 
 def explain_or_refuse(raw: object) -> None:
     try:
-        snapshot = normalize(raw)
+        findings = explain(normalize(raw), "fuzzed.pickle")
     except NotASnapshot:
         return
-    findings = explain(snapshot, what_ifs=())
+    except MemprofError as exc:
+        assert exc.message.startswith("fuzzed.pickle: device 0: the trace contradicts")
+        return
     for d in findings.devices:
         assert d.peak_allocated_bytes >= 0 and d.peak_reserved_bytes >= 0
 
@@ -66,7 +74,9 @@ def base() -> dict:
 
 @pytest.fixture(scope="module")
 def paths(base) -> list[tuple]:
-    return containers(base)
+    events = [("device_traces", 0, i, key) for i in range(len(base["device_traces"][0]))
+              for key in ("action", "addr", "size")]
+    return containers(base) + events
 
 
 @needs_fixtures

@@ -27,6 +27,7 @@ from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
 from memprof.analysis.steps import find_leak, step_peaks
 from memprof.analysis.whatif import what_if
+from memprof.errors import MemprofError
 from memprof.trace.model import (
     OTHER,
     Action,
@@ -49,7 +50,16 @@ def explain(snapshot: Snapshot, source: str = "", devices: Sequence[int] | None 
     replays it (as recorded and under each what-if) on a device of that many bytes.
     """
     chosen = snapshot.devices if devices is None else [d for d in snapshot.devices if d in devices]
-    found = [_device(snapshot, d, top, what_ifs, device_memory) for d in chosen]
+    found = []
+    for d in chosen:
+        try:
+            found.append(_device(snapshot, d, top, what_ifs, device_memory))
+        except (KeyError, IndexError, ValueError, AssertionError) as exc:
+            # a well-formed file whose trace contradicts itself (or its final segments) in a
+            # way the replay cannot follow: one line, not a traceback
+            raise MemprofError(f"{source or 'snapshot'}: device {d}: the trace contradicts"
+                               f" itself or the final segments ({type(exc).__name__} in the"
+                               " allocator replay); memprof cannot explain it") from None
     for d in found:
         d.rank = rank
     return Findings(source=source, format=snapshot.format,

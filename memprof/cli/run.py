@@ -125,7 +125,7 @@ def run(
             for d in findings.devices:
                 render_run(d, facts, notes)
     if rank == 0:
-        files = ", ".join(sorted(p.name for p in folder.iterdir()))
+        files = ", ".join(sorted(p.name for p in folder.iterdir() if p.name[0] != "."))
         notes.print()
         notes.print(plain(f"Run folder: {folder}/ ({files})"))
         shown = folder if world > 1 else folder / names["snapshot"]

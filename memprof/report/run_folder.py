@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import time
@@ -40,17 +41,28 @@ def file_names(rank: int, world_size: int) -> dict[str, str]:
 
 
 def claim(folder: Path, names: dict[str, str], force: bool) -> None:
-    """Create ``folder``; refuse if this process's files are already there, unless forced."""
-    if folder.exists() and not folder.is_dir():
-        raise MemprofError(f"{folder}: exists and is not a folder; pass -o with a folder path")
-    taken = [n for n in names.values() if (folder / n).exists()]
-    if taken and not force:
-        raise MemprofError(f"{folder}: already holds {taken[0]}; pass --force to overwrite or"
-                           " -o to choose another folder")
+    """Create ``folder``; refuse if this process's files are already there, unless forced.
+
+    The claim is exclusive: a lock file, created only if absent and removed when this
+    process exits, keeps a second run given the same ``-o`` from passing the check too.
+    """
     try:
+        if folder.exists() and not folder.is_dir():
+            raise MemprofError(f"{folder}: exists and is not a folder; pass -o with a folder"
+                               " path")
+        taken = [n for n in names.values() if (folder / n).exists()]
+        if taken and not force:
+            raise MemprofError(f"{folder}: already holds {taken[0]}; pass --force to overwrite"
+                               " or -o to choose another folder")
         folder.mkdir(parents=True, exist_ok=True)
+        lock = folder / f".{names['report']}.lock"
+        os.close(os.open(lock, os.O_WRONLY | os.O_CREAT | (0 if force else os.O_EXCL), 0o666))
+    except FileExistsError:
+        raise MemprofError(f"{folder}: another memprof run is writing there (or was killed:"
+                           f" then remove {lock.name}); pass --force or another -o") from None
     except OSError as exc:
         raise MemprofError(f"{folder}: cannot create the run folder ({exc.strerror})") from None
+    atexit.register(lock.unlink, missing_ok=True)
 
 
 def write_snapshot(snapshot: dict[str, Any], path: Path, overwrite: bool = False) -> None:

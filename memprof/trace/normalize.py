@@ -138,6 +138,9 @@ def _segments(raw: list, table: FrameTable) -> list[Segment]:
         blocks, addr = [], address
         for j, b in enumerate(blocks_raw):
             block = _block(b, f"{where} block {j}", addr, table)
+            if block.address != addr:
+                raise NotASnapshot(f"{where} block {j} starts at {block.address:#x}, not where"
+                                   f" the block before it ends ({addr:#x})")
             blocks.append(block)
             addr = block.address + block.size
         pool = s.get("segment_pool_id") or (0, 0)
@@ -145,11 +148,15 @@ def _segments(raw: list, table: FrameTable) -> list[Segment]:
                 type(p) is int and 0 <= p < 1 << 62 for p in pool):
             raise NotASnapshot(f"{where}: 'segment_pool_id' is {describe(pool)}, not a pair of"
                                " numbers")
+        total_size = integer(s, "total_size", where, MAX_BYTES)
+        if addr != address + total_size:
+            raise NotASnapshot(f"{where}: its blocks cover {addr - address:,} bytes of its"
+                               f" {total_size:,}")
         segment_type = text(s, "segment_type", "large")
         out.append(Segment(
             device=integer(s, "device", where, default=0),
             address=address,
-            total_size=integer(s, "total_size", where, MAX_BYTES),
+            total_size=total_size,
             allocated_size=integer(s, "allocated_size", where, MAX_BYTES, default=0),
             active_size=integer(s, "active_size", where, MAX_BYTES, default=0),
             requested_size=integer(s, "requested_size", where, MAX_BYTES, default=0),
@@ -160,7 +167,19 @@ def _segments(raw: list, table: FrameTable) -> list[Segment]:
             blocks=blocks,
             frames=table.frames(s.get("frames")),
         ))
+    _check_disjoint(out)
     return out
+
+
+def _check_disjoint(segments: list[Segment]) -> None:
+    ends: dict[int, tuple[int, int]] = {}  # device -> (end of the segment before, its index)
+    for i in sorted(range(len(segments)), key=lambda i: (segments[i].device,
+                                                         segments[i].address)):
+        s = segments[i]
+        end, before = ends.get(s.device, (0, -1))
+        if s.address < end:
+            raise NotASnapshot(f"segment {i} overlaps segment {before}")
+        ends[s.device] = (s.address + s.total_size, i)
 
 
 def _block(b: object, where: str, addr: int, table: FrameTable) -> Block:
