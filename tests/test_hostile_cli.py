@@ -120,3 +120,13 @@ def test_output_errors_are_one_line(tmp_path):
         assert result.returncode == 2 and says in result.stderr, result.stderr
         assert len(result.stderr.splitlines()) == 1
     assert (tmp_path / "afile").read_text() == "" and not any((tmp_path / "afolder").iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_folder_is_one_line(tmp_path):
+    snap = tmp_path / "snap.pickle"
+    snap.write_bytes(pickle.dumps(_snapshot("/home/u/train.py"), protocol=4))
+    (tmp_path / "ro").mkdir(mode=0o555)
+    result = memprof("explain", str(snap), "--json", "--out-dir", "ro/sub", cwd=tmp_path)
+    assert result.returncode == 2 and "Permission denied" in result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not any((tmp_path / "ro").iterdir())

@@ -18,7 +18,7 @@ from memprof.report.files import write_atomic
 from memprof.report.run_folder import claim, file_names
 from memprof.trace.load import load_snapshot
 from memprof.trace.normalize import NotASnapshot, normalize
-from tests.test_hostile_cli import _snapshot
+from tests.test_hostile_cli import MIB, _snapshot
 
 BAD_NUMBERS = ["12", None, math.nan, math.inf, [1], {"a": 1}, -1, 2**70, True]
 
@@ -133,12 +133,15 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
 
 
 def test_a_pickle_of_shared_blocks_is_refused_by_size(tmp_path):
-    raw = _snapshot("/u/train.py")
-    raw["segments"] = raw["segments"] * 300  # one segment object, many times: few bytes
+    segment = _snapshot("/u/train.py")["segments"][0]
+    blocks = segment["blocks"]
+    for b in blocks:
+        del b["address"]  # as in PyTorch 2.0: blocks tile their segment in order
+    raw = {"segments": [{**segment, "address": i * 2 * MIB} for i in range(300)]}
     path = tmp_path / "shared.pickle"
-    path.write_bytes(pickle.dumps(raw, protocol=4))
-    assert load_snapshot(path).segments  # 300 segments of 2 blocks fit in its size
-    raw["segments"][0]["blocks"] *= 1000
+    path.write_bytes(pickle.dumps(raw, protocol=4))  # one list of blocks, shared
+    assert len(load_snapshot(path).segments) == 300  # 300 segments of 2 blocks fit its size
+    blocks *= 1000
     path.write_bytes(pickle.dumps(raw, protocol=4))
     with pytest.raises(MemprofError, match="pickle bomb"):
         load_snapshot(path)
