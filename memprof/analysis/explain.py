@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from memprof.trace.model import (
 )
 
 BEFORE_WINDOW = Site(None, None, "allocated before the recorded window")
+T = TypeVar("T")
 
 
 def explain(snapshot: Snapshot, source: str = "", devices: Sequence[int] | None = None,
@@ -151,6 +153,9 @@ class _Describer:
         self.top = top
         self.n = 0 if self.trace is None else len(self.trace)
         self.python_stacks = self._has_python_stacks()
+        # per distinct stack (holding it keeps its id unique): a file may give a million
+        # blocks one long shared stack, and walking it for each would take minutes
+        self._per_stack: dict[tuple, tuple[Frames, object]] = {}
 
     def live(self, index: int, top: int | None = None) -> Live:
         rows = self.table.live_at(index)
@@ -163,7 +168,7 @@ class _Describer:
         total = sum(sizes)
         groups: dict[str, list] = {}
         for size, stack, event in zip(sizes, frames, events, strict=True):
-            site = site_of(stack) if stack or event >= 0 else BEFORE_WINDOW
+            site = self._once("site", stack, site_of) if stack or event >= 0 else BEFORE_WINDOW
             g = groups.setdefault(site.label, [site, 0, 0])
             g[1] += size
             g[2] += 1
@@ -180,11 +185,23 @@ class _Describer:
     def _category(self, event: int, end: int, stack: Frames) -> str:
         if self.labels is not None:
             return self.labels.get(event, OTHER)
-        alloc_phase = phase_of(stack, self.python_stacks) if event >= 0 else Phase.UNKNOWN
+        alloc_phase = self._phase(stack) if event >= 0 else Phase.UNKNOWN
         free_phase = None
         if end < self.n and self.trace is not None:
-            free_phase = phase_of(self.trace.frames(end), self.python_stacks)
-        return infer_category(stack, alloc_phase, free_phase)
+            free_phase = self._phase(self.trace.frames(end))
+        return self._once(("category", alloc_phase, free_phase), stack,
+                          lambda f: infer_category(f, alloc_phase, free_phase))
+
+    def _phase(self, stack: Frames) -> Phase:
+        return self._once("phase", stack, lambda f: phase_of(f, self.python_stacks))
+
+    def _once(self, what: object, stack: Frames, compute: Callable[[Frames], T]) -> T:
+        """``compute(stack)``, once per distinct stack object and ``what``."""
+        key = (what, id(stack))
+        cached = self._per_stack.get(key)
+        if cached is None:
+            cached = self._per_stack[key] = (stack, compute(stack))
+        return cached[1]  # type: ignore[return-value]
 
     def _has_python_stacks(self) -> bool:
         if self.trace is None:
