@@ -130,3 +130,12 @@ def test_a_read_only_folder_is_one_line(tmp_path):
     result = memprof("explain", str(snap), "--json", "--out-dir", "ro/sub", cwd=tmp_path)
     assert result.returncode == 2 and "Permission denied" in result.stderr
     assert len(result.stderr.splitlines()) == 1 and not any((tmp_path / "ro").iterdir())
+
+
+def test_visible_text_escapes_what_a_terminal_would_act_on():
+    from memprof.report.text import plain, visible
+
+    assert visible("runs[train]/model.py") == "runs[train]/model.py"
+    assert visible("a\x1b[2Jb\nc\rd\te\x07\u202ef\x85") == \
+        "a\\x1b[2Jb\\nc\\rd\\te\\x07\\u202ef\\x85"
+    assert plain("a[/]b.py").plain == "a[/]b.py" and not plain("[bold]x").spans

@@ -27,7 +27,7 @@ T = TypeVar("T")
 TUPLE_OPCODES = b"t\x85\x86\x87"  # TUPLE, TUPLE1, TUPLE2, TUPLE3
 _OTHER_BYTES = bytes(sorted(set(range(256)) - set(TUPLE_OPCODES)))
 STACK_PER_LEVEL = 256  # C stack bytes per level of tuple hashing; 64 measured (CPython 3.11)
-CALLER_LEVELS = 8_192  # nesting any thread can hash (2 MiB of stack at this rate)
+CALLER_LEVELS = 2_048  # nesting any thread can hash (512 KiB of stack at this rate)
 MAX_STACK = 1 << 31
 MAIN_STACK_MAX = 96 << 20  # below the 128 MiB Linux keeps free under the main stack
 MEMORY_PER_BYTE = 64  # address space allowed per byte of file while unpickling
@@ -134,6 +134,9 @@ def _on_thread(stack: int, work: Callable[[], T]) -> T:
     try:
         worker = threading.Thread(target=run, name="memprof-unpickle", daemon=True)
         worker.start()
+    except (RuntimeError, MemoryError):
+        raise Refused(f"checking its nesting needs a thread with {stack >> 20:,} MiB of stack,"
+                      " which this machine did not give") from None
     finally:
         threading.stack_size(previous)
     worker.join()
