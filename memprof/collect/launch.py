@@ -13,6 +13,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+from memprof.collect.endings import Stop
 from memprof.errors import MemprofError
 
 
@@ -32,10 +33,13 @@ class Target:
     def check(self) -> None:
         """Fail early, in one line, if there is nothing to run."""
         if self.module:
+            sys.path.insert(0, os.getcwd())  # where `python -m` looks first
             try:
                 found = importlib.util.find_spec(self.name) is not None
             except (ImportError, ValueError):
                 found = False
+            finally:
+                sys.path.remove(os.getcwd())
             if not found:
                 raise MemprofError(f"no module named {self.name!r}")
         elif not Path(self.name).is_file():
@@ -46,9 +50,10 @@ class Target:
 class Outcome:
     """How the script ended and the exit code ``python`` would have given."""
 
-    status: str  # "completed", "exited", "raised", "interrupted"
+    status: str  # "completed", "exited", "raised", "interrupted", "stopped"
     exit_code: int
     error: str | None = None
+    stopped_by: str | None = None  # "steps", "seconds" or "SIGTERM" when memprof stopped it
 
 
 def run(target: Target) -> Outcome:
@@ -67,6 +72,8 @@ def run(target: Target) -> Outcome:
             _run_script(target.name)
     except SystemExit as exc:
         return _exit_outcome(exc.code)
+    except Stop as stop:
+        return Outcome("stopped", stop.exit_code, None, stop.reason)
     except KeyboardInterrupt:
         _print_user_traceback()
         return Outcome("interrupted", 130, "KeyboardInterrupt")
@@ -110,11 +117,15 @@ def _exit_outcome(code: object) -> Outcome:
 
 
 def _print_user_traceback() -> None:
-    """Print the current exception, starting at the first frame outside memprof and runpy."""
+    """Print the current exception, starting at the first frame outside memprof and runpy,
+    with the script's own ``sys.excepthook`` when it set one."""
     exc_type, exc, tb = sys.exc_info()
     here = str(Path(__file__).resolve().parent.parent)
     while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here + os.sep)
                               or tb.tb_frame.f_code.co_filename == runpy.__file__
                               or "<frozen runpy>" in tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    traceback.print_exception(exc_type, exc, tb)
+    if sys.excepthook is not sys.__excepthook__ and exc_type is not None:
+        sys.excepthook(exc_type, exc, tb)  # type: ignore[arg-type]
+    else:
+        traceback.print_exception(exc_type, exc, tb)

@@ -40,7 +40,8 @@ def file_names(rank: int, world_size: int) -> dict[str, str]:
 
 
 def claim(folder: Path, names: dict[str, str], force: bool) -> None:
-    """Create ``folder``; refuse if this process's files are already there, unless forced."""
+    """Create ``folder``; refuse if this process's files are already there, unless forced,
+    when they are removed so that no stale file (timeline, profile) outlives the new run."""
     if folder.exists() and not folder.is_dir():
         raise MemprofError(f"{folder}: exists and is not a folder; pass -o with a folder path")
     taken = [n for n in names.values() if (folder / n).exists()]
@@ -49,8 +50,10 @@ def claim(folder: Path, names: dict[str, str], force: bool) -> None:
                            " -o to choose another folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        for name in taken:
+            (folder / name).unlink()
     except OSError as exc:
-        raise MemprofError(f"{folder}: cannot create the run folder ({exc.strerror})") from None
+        raise MemprofError(f"{folder}: cannot prepare the run folder ({exc.strerror})") from None
 
 
 def write_snapshot(snapshot: dict[str, Any], path: Path) -> None:
