@@ -62,7 +62,7 @@ def run(target: Target) -> Outcome:
     The script's exceptions are printed as Python prints them (without memprof's frames)
     and turned into exit codes: ``sys.exit(n)`` gives n, an exception 1, Ctrl-C 130.
     """
-    saved_argv, saved_path0 = sys.argv[:], sys.path[0]
+    saved_argv, saved_path0, hook = sys.argv[:], sys.path[0], sys.excepthook
     sys.argv = [target.name, *target.args]
     sys.path[0] = os.getcwd() if target.module else str(Path(target.name).resolve().parent)
     try:
@@ -75,10 +75,10 @@ def run(target: Target) -> Outcome:
     except Stop as stop:
         return Outcome("stopped", stop.exit_code, None, stop.reason)
     except KeyboardInterrupt:
-        _print_user_traceback()
+        _print_user_traceback(hook)
         return Outcome("interrupted", 130, "KeyboardInterrupt")
     except BaseException as exc:  # the script's own failure, reported as Python would
-        _print_user_traceback()
+        _print_user_traceback(hook)
         return Outcome("raised", 1, f"{type(exc).__name__}: {exc}")
     finally:
         sys.argv = saved_argv
@@ -116,16 +116,16 @@ def _exit_outcome(code: object) -> Outcome:
     return Outcome("exited", 1, str(code))
 
 
-def _print_user_traceback() -> None:
+def _print_user_traceback(hook_before: object) -> None:
     """Print the current exception, starting at the first frame outside memprof and runpy,
-    with the script's own ``sys.excepthook`` when it set one."""
+    with the script's own ``sys.excepthook`` when it set one (not the hook it found)."""
     exc_type, exc, tb = sys.exc_info()
     here = str(Path(__file__).resolve().parent.parent)
     while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here + os.sep)
                               or tb.tb_frame.f_code.co_filename == runpy.__file__
                               or "<frozen runpy>" in tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    if sys.excepthook is not sys.__excepthook__ and exc_type is not None:
+    if sys.excepthook is not hook_before and exc_type is not None:
         sys.excepthook(exc_type, exc, tb)  # type: ignore[arg-type]
     else:
         traceback.print_exception(exc_type, exc, tb)
