@@ -6,12 +6,19 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
+from memprof.collect.launch import Target
 from memprof.errors import MemprofError
+
+if TYPE_CHECKING:
+    from memprof.collect.session import Recording
+
+NO_STEPS = ("the script never called optimizer.step() (manual parameter updates?), so the"
+            " run has no steps to compare")
 
 
 def run(
@@ -38,6 +45,12 @@ def run(
     profile: Annotated[bool, typer.Option(
         "--profile", help="Also run torch.profiler over optimizer steps 2-3 and write its"
         " Chrome trace (open in chrome://tracing or Perfetto) to the run folder.")] = False,
+    steps: Annotated[int | None, typer.Option(
+        "--steps", min=1, help="Stop the script cleanly after this many optimizer steps and"
+        " write the report (exit 0).", show_default=False)] = None,
+    seconds: Annotated[float | None, typer.Option(
+        "--seconds", min=0.001, help="Stop the script cleanly after this many seconds and"
+        " write the report (exit 0).", show_default=False)] = None,
     script: Annotated[list[str] | None, typer.Argument(
         metavar="[SCRIPT] [ARGS]...", help="The script and its arguments (with -m: the"
         " module's arguments). Options after the script go to the script.",
@@ -55,8 +68,6 @@ def run(
     Examples: `memprof run train.py --epochs 1`, `memprof run -m mypkg.train`,
     `torchrun --nproc-per-node 2 -m memprof run train_ddp.py` (one report per rank).
     """
-    from memprof.collect.launch import Target
-
     args = list(script or [])
     if module is None and not args:
         raise MemprofError("nothing to run: give a script (memprof run train.py) or -m MODULE")
@@ -64,15 +75,10 @@ def run(
                                                                      False)
     target.check()  # before the slow imports: a typo gets its answer at once
 
-    from memprof.analysis.explain import explain
     from memprof.analysis.settings import parse_alloc_conf, unmodelled
     from memprof.collect import cuda, session
-    from memprof.report.json import report_dict, write_json
-    from memprof.report.plot import plot_timeline
-    from memprof.report.run_folder import claim, file_names, run_folder, write_snapshot
-    from memprof.report.run_summary import render_run
-    from memprof.report.text import plain
-    from memprof.trace.normalize import normalize
+    from memprof.collect.endings import finishing
+    from memprof.report.run_folder import claim, file_names, run_folder
 
     if device not in ("auto", "cpu", "cuda"):
         raise MemprofError(f"--device {device!r}: expected auto, cpu or cuda")
@@ -89,46 +95,84 @@ def run(
         raise MemprofError(f"allocator settings {conf!r} for the prediction:"
                            f" {'; '.join(problems)}")
     rank, world = session.rank()
-    folder = run_folder(target.stem, output, world)
+    folder = run_folder(target.stem, output, world).absolute()  # the script may chdir
     names = file_names(rank, world)
     claim(folder, names, force)
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     profile_path = folder / names["profile"] if profile else None
-    recording = session.record(target, use_cuda, max_entries, settings, profile_path)
-    notes = Console(stderr=True, soft_wrap=True)
-    findings = explain(normalize(recording.snapshot), str(folder / names["snapshot"]), top=top)
+    parent = os.getpid()
+    recording = session.record(target, use_cuda, max_entries, settings, profile_path,
+                               steps, seconds)
+    if os.getpid() != parent:  # a child the script forked ran out its copy of the script
+        raise typer.Exit(recording.outcome.exit_code)
+    with finishing():
+        try:
+            _finish(recording, target, folder, names, settings.conf, started, top)
+        except KeyboardInterrupt:
+            raise MemprofError(f"interrupted while writing the report: {folder} holds only"
+                               " whole files; run again for a full report",
+                               exit_code=130) from None
+        except OSError as exc:
+            raise MemprofError(f"{folder}: cannot write the report ({exc.strerror or exc});"
+                               " free some space or pass -o with another folder",
+                               exit_code=1) from None
+    sys.stdout.flush()
+    if recording.outcome.stopped_by in ("steps", "seconds") and rank == 0:
+        what = f"{steps} steps" if recording.outcome.stopped_by == "steps" else f"{seconds:g} s"
+        print(f"memprof: stopped after {what} as asked", file=sys.stderr)
+    raise typer.Exit(recording.outcome.exit_code)
+
+
+def _finish(recording: Recording, target: Target, folder: Path, names: dict[str, str],
+            conf: str, started: str, top: int) -> None:
+    """Analyse a recording, write the run folder's files and print the summary."""
     import torch
 
+    from memprof.analysis.explain import explain
+    from memprof.collect import session
+    from memprof.report.json import report_dict, write_json
+    from memprof.report.plot import plot_timeline
+    from memprof.report.run_folder import write_snapshot
+    from memprof.report.run_summary import render_run
+    from memprof.report.text import plain
+    from memprof.trace.normalize import normalize
+
+    rank, world = session.rank()
+    notes = Console(stderr=True, soft_wrap=True)
+    findings = explain(normalize(recording.snapshot), str(folder / names["snapshot"]), top=top)
+    outcome = recording.outcome
     facts = {
-        "command": ["memprof", "run", *(["-m"] if module else []), target.name, *target.args],
+        "command": ["memprof", "run", *(["-m"] if target.module else []), target.name,
+                    *target.args],
         "started": started,
         "torch_version": torch.__version__,
         "device": recording.device,
         "predicted": recording.predicted,
-        "allocator_conf": settings.conf,
+        "allocator_conf": conf,
         "duration_s": round(recording.seconds, 3),
-        "exit": {"status": recording.outcome.status, "code": recording.outcome.exit_code,
-                 "error": recording.outcome.error},
+        "exit": {"status": outcome.status, "code": outcome.exit_code, "error": outcome.error},
+        "stopped_by": outcome.stopped_by,
+        "optimizer_steps": len(recording.snapshot["memprof"]["steps"]),
+        "no_steps_reason": None if recording.snapshot["memprof"]["steps"] else NO_STEPS,
         "rank": rank,
         "world_size": world,
         "cuda": recording.facts or None,
     }
-    write_snapshot(recording.snapshot, folder / names["snapshot"], force)
+    write_snapshot(recording.snapshot, folder / names["snapshot"])
     if recording.oom_snapshot is not None:
-        write_snapshot(recording.oom_snapshot, folder / names["oom-snapshot"], force)
-    write_json(report_dict(findings, "run", facts), folder / names["report"], force)
+        write_snapshot(recording.oom_snapshot, folder / names["oom-snapshot"])
+    write_json(report_dict(findings, "run", facts), folder / names["report"])
     if findings.devices:
-        plot_timeline(findings, folder / names["timeline"], " ".join(facts["command"][2:]),
-                      force)
+        plot_timeline(findings, folder / names["timeline"], " ".join(facts["command"][2:]))
         if rank == 0:
             for d in findings.devices:
                 render_run(d, facts, notes)
+            if facts["no_steps_reason"]:
+                notes.print(f"No step section: {NO_STEPS}.")
     if rank == 0:
         files = ", ".join(sorted(p.name for p in folder.iterdir() if p.name[0] != "."))
         notes.print()
         notes.print(plain(f"Run folder: {folder}/ ({files})"))
         shown = folder if world > 1 else folder / names["snapshot"]
         notes.print(plain(f"Next: memprof explain {shown}"))
-    sys.stdout.flush()
-    raise typer.Exit(recording.outcome.exit_code)

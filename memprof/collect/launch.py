@@ -13,6 +13,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+from memprof.collect.endings import Stop
 from memprof.errors import MemprofError
 
 
@@ -32,10 +33,13 @@ class Target:
     def check(self) -> None:
         """Fail early, in one line, if there is nothing to run."""
         if self.module:
+            sys.path.insert(0, os.getcwd())  # where `python -m` looks first
             try:
                 found = importlib.util.find_spec(self.name) is not None
             except (ImportError, ValueError):
                 found = False
+            finally:
+                sys.path.remove(os.getcwd())
             if not found:
                 raise MemprofError(f"no module named {self.name!r}")
         elif not Path(self.name).is_file():
@@ -46,9 +50,10 @@ class Target:
 class Outcome:
     """How the script ended and the exit code ``python`` would have given."""
 
-    status: str  # "completed", "exited", "raised", "interrupted"
+    status: str  # "completed", "exited", "raised", "interrupted", "stopped"
     exit_code: int
     error: str | None = None
+    stopped_by: str | None = None  # "steps", "seconds" or "SIGTERM" when memprof stopped it
 
 
 def run(target: Target) -> Outcome:
@@ -57,7 +62,7 @@ def run(target: Target) -> Outcome:
     The script's exceptions are printed as Python prints them (without memprof's frames)
     and turned into exit codes: ``sys.exit(n)`` gives n, an exception 1, Ctrl-C 130.
     """
-    saved_argv, saved_path0 = sys.argv[:], sys.path[0]
+    saved_argv, saved_path0, hook = sys.argv[:], sys.path[0], sys.excepthook
     sys.argv = [target.name, *target.args]
     sys.path[0] = os.getcwd() if target.module else str(Path(target.name).resolve().parent)
     try:
@@ -67,11 +72,13 @@ def run(target: Target) -> Outcome:
             _run_script(target.name)
     except SystemExit as exc:
         return _exit_outcome(exc.code)
+    except Stop as stop:
+        return Outcome("stopped", stop.exit_code, None, stop.reason)
     except KeyboardInterrupt:
-        _print_user_traceback()
+        _print_user_traceback(hook)
         return Outcome("interrupted", 130, "KeyboardInterrupt")
     except BaseException as exc:  # the script's own failure, reported as Python would
-        _print_user_traceback()
+        _print_user_traceback(hook)
         return Outcome("raised", 1, f"{type(exc).__name__}: {exc}")
     finally:
         sys.argv = saved_argv
@@ -109,12 +116,16 @@ def _exit_outcome(code: object) -> Outcome:
     return Outcome("exited", 1, str(code))
 
 
-def _print_user_traceback() -> None:
-    """Print the current exception, starting at the first frame outside memprof and runpy."""
+def _print_user_traceback(hook_before: object) -> None:
+    """Print the current exception, starting at the first frame outside memprof and runpy,
+    with the script's own ``sys.excepthook`` when it set one (not the hook it found)."""
     exc_type, exc, tb = sys.exc_info()
     here = str(Path(__file__).resolve().parent.parent)
     while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here + os.sep)
                               or tb.tb_frame.f_code.co_filename == runpy.__file__
                               or "<frozen runpy>" in tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
-    traceback.print_exception(exc_type, exc, tb)
+    if sys.excepthook is not hook_before and exc_type is not None:
+        sys.excepthook(exc_type, exc, tb)  # type: ignore[arg-type]
+    else:
+        traceback.print_exception(exc_type, exc, tb)

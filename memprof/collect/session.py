@@ -11,6 +11,7 @@ from typing import Any
 from memprof.analysis.layout import lay_out
 from memprof.collect import cuda
 from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.endings import stops
 from memprof.collect.launch import Outcome, Target, run
 from memprof.collect.profiler import StepWindowProfiler
 from memprof.trace.model import AllocatorSettings
@@ -30,8 +31,10 @@ class Recording:
 
 
 def record(target: Target, use_cuda: bool, max_entries: int, settings: AllocatorSettings,
-           profile_to: Path | None = None) -> Recording:
-    """Run ``target`` once under memprof's recorders (and torch.profiler, with ``profile_to``)."""
+           profile_to: Path | None = None, steps: int | None = None,
+           seconds: float | None = None) -> Recording:
+    """Run ``target`` once under memprof's recorders (and torch.profiler, with ``profile_to``),
+    stopping it after ``steps`` optimizer steps or ``seconds`` when given."""
     recorder = CpuRecorder()
     history = cuda.CudaHistory(max_entries) if use_cuda else None
     profiler = StepWindowProfiler(profile_to) if profile_to is not None else None
@@ -42,7 +45,8 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
         if profiler is not None:
             profiler.start()
         try:
-            outcome = run(target)
+            with stops(steps, seconds):
+                outcome = run(target)
         finally:
             if profiler is not None:
                 profiler.stop()

@@ -41,7 +41,8 @@ def file_names(rank: int, world_size: int) -> dict[str, str]:
 
 
 def claim(folder: Path, names: dict[str, str], force: bool) -> None:
-    """Create ``folder``; refuse if this process's files are already there, unless forced.
+    """Create ``folder``; refuse if this process's files are already there, unless forced,
+    when they are removed so that no stale file (timeline, profile) outlives the new run.
 
     The claim is exclusive: a lock file, created only if absent and removed when this
     process exits, keeps a second run given the same ``-o`` from passing the check too.
@@ -57,11 +58,13 @@ def claim(folder: Path, names: dict[str, str], force: bool) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         lock = folder / f".{names['report']}.lock"
         os.close(os.open(lock, os.O_WRONLY | os.O_CREAT | (0 if force else os.O_EXCL), 0o666))
+        for name in taken:
+            (folder / name).unlink()
     except FileExistsError:
         raise MemprofError(f"{folder}: another memprof run is writing there (or was killed:"
                            f" then remove {lock.name}); pass --force or another -o") from None
     except OSError as exc:
-        raise MemprofError(f"{folder}: cannot create the run folder ({exc.strerror})") from None
+        raise MemprofError(f"{folder}: cannot prepare the run folder ({exc.strerror})") from None
     atexit.register(lock.unlink, missing_ok=True)
 
 

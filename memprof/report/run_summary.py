@@ -25,7 +25,8 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
     """Print the summary of one device of a run."""
     ended = run["exit"]
     how = {"completed": "completed", "exited": f"exited with sys.exit({ended['code']})",
-           "raised": f"raised {visible(ended['error'])}", "interrupted": "was interrupted (Ctrl-C)"}
+           "raised": f"raised {visible(ended['error'])}", "interrupted": "was interrupted (Ctrl-C)",
+           "stopped": f"stopped by memprof ({run.get('stopped_by')})"}
     console.print(Text.assemble(
         ("memprof run ", "bold"), visible(" ".join(run["command"][2:])),
         f": {how[ended['status']]},"

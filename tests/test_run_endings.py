@@ -1,0 +1,85 @@
+"""How ``memprof run`` ends: signals, early stops, forks, chdir, excepthook, stale files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.test_run_cli import memprof_run, report
+
+TRAIN = """\
+import os, signal, sys, torch
+m = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for i in range(50):
+    m(torch.randn(4, 8)).sum().backward()
+    opt.step(); opt.zero_grad()
+    {at_step}
+print("finished")
+"""
+
+
+def _train(tmp_path: Path, at_step: str, *args: str):
+    (tmp_path / "t.py").write_text(TRAIN.format(at_step=at_step))
+    result = memprof_run(tmp_path, "-o", "out", *args, "t.py")
+    return result, tmp_path / "out"
+
+
+def test_sigterm_writes_the_report_and_exits_143(tmp_path: Path) -> None:
+    result, out = _train(tmp_path, "if i == 2: os.kill(os.getpid(), signal.SIGTERM)")
+    assert result.code == 143, result.stderr
+    run = report(out)["run"]
+    assert run["exit"] == {"status": "stopped", "code": 143, "error": None}
+    assert run["stopped_by"] == "SIGTERM" and run["optimizer_steps"] == 3
+    assert "finished" not in result.stdout
+
+
+def test_steps_stop_cleanly(tmp_path: Path) -> None:
+    result, out = _train(tmp_path, "", "--steps", "4")
+    assert result.code == 0, result.stderr
+    assert "stopped after 4 steps as asked" in result.stderr
+    run = report(out)["run"]
+    assert run["stopped_by"] == "steps" and run["optimizer_steps"] == 4
+
+
+def test_chdir_in_the_script_keeps_the_folder(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    result, out = _train(tmp_path, "os.chdir(os.path.dirname(__file__) + '/elsewhere')")
+    assert result.code == 0, result.stderr
+    assert report(out)["run"]["exit"]["status"] == "completed"
+    assert not (tmp_path / "elsewhere" / "out").exists()
+
+
+def test_forked_child_writes_nothing(tmp_path: Path) -> None:
+    result, out = _train(tmp_path, "if i == 1 and os.fork() == 0: sys.exit(7)")
+    assert result.code == 0, result.stderr
+    assert result.stderr.count("Run folder:") == 1
+    assert report(out)["run"]["exit"]["code"] == 0
+
+
+def test_script_excepthook_is_used(tmp_path: Path) -> None:
+    hook = ("sys.excepthook = lambda t, e, tb: print('HOOK', t.__name__, file=sys.stderr)\n"
+            "    if i == 1: raise ValueError('x')")
+    result, out = _train(tmp_path, hook)
+    assert result.code == 1
+    assert "HOOK ValueError" in result.stderr and "Traceback" not in result.stderr
+    assert report(out)["run"]["exit"]["error"] == "ValueError: x"
+
+
+def test_force_removes_stale_outputs(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "profile.json").write_text("stale")
+    result, out = _train(tmp_path, "", "--force")
+    assert result.code == 0, result.stderr
+    assert not (out / "profile.json").exists() and (out / "report.json").exists()
+
+
+def test_manual_sgd_says_why_there_are_no_steps(tmp_path: Path) -> None:
+    (tmp_path / "sgd.py").write_text(
+        "import torch\nm = torch.nn.Linear(8, 8)\nfor i in range(3):\n"
+        "    m(torch.randn(4, 8)).sum().backward()\n    with torch.no_grad():\n"
+        "        for p in m.parameters():\n            p -= 0.1 * p.grad; p.grad = None\n")
+    result = memprof_run(tmp_path, "-o", "sgd", "sgd.py")
+    assert result.code == 0, result.stderr
+    assert "No step section: the script never called optimizer.step()" in result.stderr
+    run = report(tmp_path / "sgd")["run"]
+    assert run["optimizer_steps"] == 0 and "optimizer.step()" in run["no_steps_reason"]
