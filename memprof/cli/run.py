@@ -6,12 +6,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from memprof.errors import MemprofError
+
+if TYPE_CHECKING:
+    from memprof.analysis.findings import Findings
 
 
 def run(
@@ -38,6 +41,9 @@ def run(
     profile: Annotated[bool, typer.Option(
         "--profile", help="Also run torch.profiler over optimizer steps 2-3 and write its"
         " Chrome trace (open in chrome://tracing or Perfetto) to the run folder.")] = False,
+    max_peak: Annotated[str | None, typer.Option(
+        "--max-peak", metavar="SIZE", help="Fail the run (exit 1) when its peak reserved"
+        " memory exceeds SIZE (e.g. 20GiB): a memory gate for CI.", show_default=False)] = None,
     script: Annotated[list[str] | None, typer.Argument(
         metavar="[SCRIPT] [ARGS]...", help="The script and its arguments (with -m: the"
         " module's arguments). Options after the script go to the script.",
@@ -63,6 +69,7 @@ def run(
     target = Target(module, tuple(args), True) if module else Target(args[0], tuple(args[1:]),
                                                                      False)
     target.check()  # before the slow imports: a typo gets its answer at once
+    limit = _max_peak(max_peak)
 
     from memprof.analysis.explain import explain
     from memprof.analysis.settings import parse_alloc_conf, unmodelled
@@ -127,4 +134,25 @@ def run(
         notes.print(f"\nRun folder: {folder}/ ({files})")
         notes.print(f"Next: memprof explain {folder if world > 1 else folder / names['snapshot']}")
     sys.stdout.flush()
-    raise typer.Exit(recording.outcome.exit_code)
+    raise typer.Exit(_gate(findings, limit, recording.outcome.exit_code, notes))
+
+
+def _max_peak(text: str | None) -> int | None:
+    from memprof.cli.sizes import parse_size
+
+    try:
+        return None if text is None else parse_size(text)
+    except ValueError as exc:
+        raise MemprofError(f"--max-peak: {exc}") from None
+
+
+def _gate(findings: Findings, limit: int | None, exit_code: int, notes: Console) -> int:
+    """The exit code: the script's, or 1 when it succeeded but its peak broke --max-peak."""
+    from memprof.report.units import format_bytes
+
+    peak = max((d.peak_reserved_bytes for d in findings.devices), default=0)
+    if limit is None or peak <= limit:
+        return exit_code
+    notes.print(f"memprof: peak reserved {format_bytes(peak)} exceeds --max-peak"
+                f" {format_bytes(limit)}", markup=False, highlight=False)
+    return exit_code or 1
