@@ -56,8 +56,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
 
 
 def _marker_args(marker: pytest.Mark) -> tuple[int, Any]:
-    from memprof.cli.sizes import parse_size
     from memprof.gate.metrics import parse_metric
+    from memprof.sizes import parse_size
 
     if len(marker.args) != 1:
         raise pytest.UsageError("memprof_limit needs one size, e.g."

@@ -138,7 +138,7 @@ def run(
 
 
 def _max_peak(text: str | None) -> int | None:
-    from memprof.cli.sizes import parse_size
+    from memprof.sizes import parse_size
 
     try:
         return None if text is None else parse_size(text)

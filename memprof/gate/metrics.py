@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memprof.cli.sizes import parse_size
+from memprof.sizes import parse_size
 from memprof.trace.model import CATEGORIES
 
 PEAK_METRICS = {"peak_allocated": "allocated_bytes", "peak_reserved": "reserved_bytes"}
