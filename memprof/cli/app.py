@@ -7,7 +7,7 @@ import sys
 import typer
 
 from memprof import __version__
-from memprof.cli import explain, run
+from memprof.cli import check, explain, run
 from memprof.errors import MemprofError
 from memprof.report.text import visible
 
@@ -25,6 +25,7 @@ app.command(name="run", no_args_is_help=True,
             context_settings={"allow_interspersed_args": False,
                               "ignore_unknown_options": True})(run.run)
 app.command(name="explain", no_args_is_help=True)(explain.explain)
+app.command(name="check", no_args_is_help=True)(check.check)
 
 
 def _version(value: bool) -> None:

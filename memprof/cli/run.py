@@ -15,6 +15,7 @@ from memprof.collect.launch import Target
 from memprof.errors import MemprofError
 
 if TYPE_CHECKING:
+    from memprof.analysis.findings import Findings
     from memprof.collect.session import Recording
 
 NO_STEPS = ("the script never called optimizer.step() (manual parameter updates?), so the"
@@ -51,6 +52,9 @@ def run(
     seconds: Annotated[float | None, typer.Option(
         "--seconds", min=0.001, help="Stop the script cleanly after this many seconds and"
         " write the report (exit 0).", show_default=False)] = None,
+    max_peak: Annotated[str | None, typer.Option(
+        "--max-peak", metavar="SIZE", help="Fail the run (exit 1) when its peak reserved"
+        " memory exceeds SIZE (e.g. 20GiB): a memory gate for CI.", show_default=False)] = None,
     script: Annotated[list[str] | None, typer.Argument(
         metavar="[SCRIPT] [ARGS]...", help="The script and its arguments (with -m: the"
         " module's arguments). Options after the script go to the script.",
@@ -74,6 +78,7 @@ def run(
     target = Target(module, tuple(args), True) if module else Target(args[0], tuple(args[1:]),
                                                                      False)
     target.check()  # before the slow imports: a typo gets its answer at once
+    limit = _max_peak(max_peak)
 
     from memprof.analysis.settings import parse_alloc_conf, unmodelled
     from memprof.collect import cuda, session
@@ -108,7 +113,7 @@ def run(
         raise typer.Exit(recording.outcome.exit_code)
     with finishing():
         try:
-            _finish(recording, target, folder, names, settings.conf, started, top)
+            code = _finish(recording, target, folder, names, settings.conf, started, top, limit)
         except KeyboardInterrupt:
             raise MemprofError(f"interrupted while writing the report: {folder} holds only"
                                " whole files; run again for a full report",
@@ -121,12 +126,13 @@ def run(
     if recording.outcome.stopped_by in ("steps", "seconds") and rank == 0:
         what = f"{steps} steps" if recording.outcome.stopped_by == "steps" else f"{seconds:g} s"
         print(f"memprof: stopped after {what} as asked", file=sys.stderr)
-    raise typer.Exit(recording.outcome.exit_code)
+    raise typer.Exit(code)
 
 
 def _finish(recording: Recording, target: Target, folder: Path, names: dict[str, str],
-            conf: str, started: str, top: int) -> None:
-    """Analyse a recording, write the run folder's files and print the summary."""
+            conf: str, started: str, top: int, limit: int | None) -> int:
+    """Analyse a recording, write the run folder's files and print the summary; return
+    the exit code (the script's, or 1 when its peak broke ``--max-peak``)."""
     import torch
 
     from memprof.analysis.explain import explain
@@ -176,3 +182,25 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         notes.print(plain(f"Run folder: {folder}/ ({files})"))
         shown = folder if world > 1 else folder / names["snapshot"]
         notes.print(plain(f"Next: memprof explain {shown}"))
+    return _gate(findings, limit, recording.outcome.exit_code, notes)
+
+
+def _max_peak(text: str | None) -> int | None:
+    from memprof.sizes import parse_size
+
+    try:
+        return None if text is None else parse_size(text)
+    except ValueError as exc:
+        raise MemprofError(f"--max-peak: {exc}") from None
+
+
+def _gate(findings: Findings, limit: int | None, exit_code: int, notes: Console) -> int:
+    """The exit code: the script's, or 1 when it succeeded but its peak broke --max-peak."""
+    from memprof.report.units import format_bytes
+
+    peak = max((d.peak_reserved_bytes for d in findings.devices), default=0)
+    if limit is None or peak <= limit:
+        return exit_code
+    notes.print(f"memprof: peak reserved {format_bytes(peak)} exceeds --max-peak"
+                f" {format_bytes(limit)}", markup=False, highlight=False)
+    return exit_code or 1

@@ -1,0 +1,80 @@
+"""Reading reports to compare: a run folder or a ``report.json``, checked before any use."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memprof.errors import MemprofError
+from memprof.report.json import SCHEMA
+
+REPORT_NAME = "report.json"
+MAX_REPORT_BYTES = 256 << 20  # a report is kilobytes; anything near this is not one
+
+
+@dataclass(frozen=True)
+class Report:
+    """A checked report: the raw JSON and where it came from."""
+
+    path: Path
+    data: dict[str, Any]
+
+    @property
+    def run(self) -> dict[str, Any]:
+        run = self.data.get("run")
+        return run if isinstance(run, dict) else {}
+
+    def devices(self) -> dict[tuple[int, int | None], dict[str, Any]]:
+        """The devices of the report by (device index, rank)."""
+        return {(d["device"], d.get("rank")): d for d in self.data["devices"]}
+
+
+def report_path(source: Path) -> Path:
+    """The ``report.json`` that ``source`` (a run folder or the file itself) names."""
+    return source / REPORT_NAME if source.is_dir() else source
+
+
+def load_report(source: Path, role: str) -> Report:
+    """Read and check the report at ``source``; ``role`` ("current", "baseline") names it in
+    errors, which are :class:`MemprofError` (one line, exit 2)."""
+    path = report_path(source)
+    if not path.exists():
+        raise MemprofError(f"{role} {source}: not found; give a run folder or a report.json")
+    if not path.is_file():
+        raise MemprofError(f"{role} {path}: not a regular file; give a run folder or a"
+                           " report.json")
+    try:
+        if path.stat().st_size > MAX_REPORT_BYTES:
+            raise MemprofError(f"{role} {path}: too large to be a memprof report")
+        data = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not valid JSON"
+        raise MemprofError(f"{role} {path}: cannot be read ({reason})") from None
+    problem = _problem(data)
+    if problem:
+        raise MemprofError(f"{role} {path}: not a memprof report ({problem})")
+    return Report(path, data)
+
+
+def _problem(data: Any) -> str | None:
+    if not isinstance(data, dict):
+        return "expected a JSON object"
+    if data.get("schema") != SCHEMA:
+        return f"schema {str(data.get('schema'))[:40]!r}, expected {SCHEMA!r}"
+    devices = data.get("devices")
+    if not isinstance(devices, list) or not devices:
+        return "no devices"
+    for d in devices:
+        peak = d.get("peak") if isinstance(d, dict) else None
+        if not isinstance(peak, dict) or not isinstance(d.get("device"), int):
+            return "a device without its peak"
+        for key in ("allocated_bytes", "reserved_bytes"):
+            if not _is_bytes(peak.get(key)):
+                return f"peak.{key} is not a byte count"
+    return None
+
+
+def _is_bytes(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

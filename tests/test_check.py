@@ -1,0 +1,231 @@
+"""``memprof check`` and ``memprof run --max-peak`` as CI runs them: real runs of the samples,
+the real command line, its exit codes and outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+
+from tests.test_run_cli import (
+    ROOT,
+    SAMPLES,
+    Result,
+    block,
+    flags,
+    load_sample,
+    memprof_run,
+    report,
+    run_python,
+)
+
+SMALL = {"hidden": 40, "layers": 2, "batch": 8, "steps": 3}
+WIDER = {**SMALL, "hidden": 56}  # the change a pull request makes: a wider model
+
+
+def check(cwd: Path, *args: str | Path) -> Result:
+    return run_python(["-m", "memprof", "check", *args], cwd)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The small MLP twice (a rerun) and the wider one."""
+    tmp = tmp_path_factory.mktemp("check")
+    folders = {}
+    for name, size in (("base", SMALL), ("again", SMALL), ("wider", WIDER)):
+        folders[name] = tmp / name
+        result = memprof_run(tmp, "-o", folders[name], SAMPLES / "mlp_adam.py", *flags(size))
+        assert result.code == 0, result.stderr
+    return folders
+
+
+def param_blocks(size: dict[str, int]) -> int:
+    """Parameter bytes of the sample MLP as the caching allocator holds them."""
+    model = load_sample("mlp_adam").build_model(size["hidden"], size["layers"])
+    return sum(block(p.numel() * p.element_size()) for p in model.parameters())
+
+
+def edited(folder: Path, tmp: Path, name: str, edit) -> Path:
+    """A copy of ``folder``'s report with ``edit`` applied to its JSON."""
+    data = report(folder)
+    edit(data)
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_wider_model_is_caught_and_what_grew_is_named(runs, tmp_path):
+    result = check(tmp_path, runs["wider"], "--baseline", runs["base"], "--format", "json")
+    assert result.code == 1, result.stderr
+    verdict = json.loads(result.stdout)
+    assert verdict["schema"] == "memprof.report/1" and verdict["command"] == "check"
+    device = verdict["check"]["devices"][0]
+    assert device["verdict"] == "regression"
+    assert device["baseline_bytes"] == report(runs["base"])["devices"][0]["peak"]["allocated_bytes"]
+    assert device["current_bytes"] == report(runs["wider"])["devices"][0]["peak"][
+        "allocated_bytes"]
+    grew = {c["name"]: c["current_bytes"] - c["baseline_bytes"] for c in device["categories"]}
+    extra = param_blocks(WIDER) - param_blocks(SMALL)
+    # fp32 Adam: the moments grow twice as much as the weights (parameter tensors are not
+    # all multiples of 512 bytes, so compare blocks tensor by tensor, as the allocator does)
+    assert device["categories"][0]["name"] == "optimizer_state"
+    assert grew["parameters"] == extra and grew["gradients"] == extra
+
+    text = check(tmp_path, runs["wider"], "--baseline", runs["base"])
+    before, after = (report(runs[n])["devices"][0]["peak"]["allocated_bytes"]
+                     for n in ("base", "wider"))
+    assert text.code == 1
+    first = text.stdout.splitlines()[0]
+    assert first.startswith("REGRESSION: peak allocated grew from ")
+    assert f"(+{(after - before) / before:.1%}, limit 5%)" in first
+    assert "grew most by category: optimizer_state" in text.stdout
+    assert "grew most by site:" in text.stdout and "mlp_adam.py" in text.stdout
+
+
+def test_a_rerun_is_not_flagged(runs, tmp_path):
+    for metric in ("peak_allocated", "peak_reserved", "category:activations"):
+        result = check(tmp_path, runs["again"], "--baseline", runs["base"], "--metric", metric)
+        assert result.code == 0, result.stdout + result.stderr
+        assert result.stdout.startswith("OK: ")
+
+
+def test_an_improvement_passes_with_a_hint(runs, tmp_path):
+    result = check(tmp_path, runs["base"], "--baseline", runs["wider"] / "report.json")
+    assert result.code == 0
+    assert result.stdout.startswith("IMPROVED: peak allocated shrank from")
+    assert "--update-baseline" in result.stdout
+
+
+def test_an_absolute_limit(runs, tmp_path):
+    before, after = (report(runs[n])["devices"][0]["peak"]["allocated_bytes"]
+                     for n in ("base", "wider"))
+    assert check(tmp_path, runs["wider"], "-b", runs["base"], "--max-increase",
+                 str(after - before)).code == 0
+    assert check(tmp_path, runs["wider"], "-b", runs["base"], "--max-increase",
+                 str(after - before - 1)).code == 1
+    assert check(tmp_path, runs["wider"], "-b", runs["base"], "--max-increase", "200MiB").code == 0
+
+
+def test_markdown_is_a_table_and_junit_parses(runs, tmp_path):
+    md = check(tmp_path, runs["wider"], "-b", runs["base"], "--format", "markdown")
+    lines = md.stdout.splitlines()
+    assert lines[0].startswith("| device | metric | baseline | current |")
+    assert set(lines[1].replace("|", "").replace("-", "").replace(":", "")) == set()
+    assert "**regression**" in lines[2]
+    out = tmp_path / "ci" / "memprof.xml"
+    out.parent.mkdir()
+    junit = check(tmp_path, runs["wider"], "-b", runs["base"], "--format", "junit", "-o", out)
+    assert junit.code == 1 and junit.stdout.startswith("REGRESSION")
+    suite = ElementTree.parse(out).getroot()
+    assert suite.tag == "testsuite" and suite.get("failures") == "1"
+    assert suite.find("testcase/failure").get("message").startswith("peak allocated grew")
+    ok = ElementTree.fromstring(check(tmp_path, runs["again"], "-b", runs["base"], "--format",
+                                      "junit").stdout)
+    assert ok.get("failures") == "0" and ok.find("testcase/failure") is None
+
+
+def test_update_baseline_writes_the_current_report(runs, tmp_path):
+    baseline = tmp_path / "ci" / "memory.json"
+    result = check(tmp_path, runs["wider"], "--baseline", baseline, "--update-baseline")
+    assert result.code == 0 and baseline.read_bytes() == (runs["wider"] / "report.json"
+                                                          ).read_bytes()
+    assert check(tmp_path, runs["wider"], "--baseline", baseline).code == 0
+    folder = tmp_path / "base-folder"
+    shutil.copytree(runs["base"], folder)
+    assert check(tmp_path, runs["wider"], "-b", folder, "--update-baseline").code == 0
+    assert json.loads((folder / "report.json").read_text()) == report(runs["wider"])
+
+
+@pytest.mark.parametrize(("name", "edit", "message"), [
+    ("device", lambda d: d["run"].update(device="cuda (NVIDIA A10)"), "the device differs"),
+    ("virtual", lambda d: d["run"].update(virtual_gpu={"spec": "A10"}), "virtual GPU differs"),
+    ("conf", lambda d: d["source"].update(allocator_conf="expandable_segments:True"),
+     "allocator settings differ"),
+    ("crashed", lambda d: d["run"].update(exit={"status": "raised", "code": 1, "error": "x"}),
+     "did not complete"),
+    ("ranks", lambda d: d["devices"][0].update(rank=3), "devices differ"),
+])
+def test_reports_that_measure_different_things_fail_closed(runs, tmp_path, name, edit, message):
+    current = edited(runs["base"], tmp_path, name, edit)
+    result = check(tmp_path, current, "--baseline", runs["base"])
+    assert result.code == 2 and result.stdout == ""
+    assert result.stderr.startswith("memprof: error: cannot compare") and message in result.stderr
+    assert len(result.stderr.splitlines()) == 1
+    if name != "ranks":
+        forced = check(tmp_path, current, "--baseline", runs["base"], "--allow-different")
+        assert forced.code == 0 and "note: compared although" in forced.stdout
+
+
+def test_an_oom_in_the_current_run_is_a_regression(runs, tmp_path):
+    def oom(data):
+        data["run"]["exit"] = {"status": "raised", "code": 1, "error": "OutOfMemoryError"}
+        data["devices"][0]["oom"] = {"event_index": 3}
+
+    result = check(tmp_path, edited(runs["base"], tmp_path, "oom", oom), "-b", runs["base"])
+    assert result.code == 1 and "ran out of memory" in result.stdout
+
+
+def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
+    (tmp_path / "text.json").write_text("not json {")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "other/9", "devices": []}))
+    (tmp_path / "empty").mkdir()
+    negative = edited(runs["base"], tmp_path, "negative",
+                      lambda d: d["devices"][0]["peak"].update(allocated_bytes=-5))
+    base = runs["base"]
+    cases = {
+        "missing baseline": (base, "-b", tmp_path / "missing"),
+        "folder without report": (base, "-b", tmp_path / "empty"),
+        "not JSON": (base, "-b", tmp_path / "text.json"),
+        "not an object": (base, "-b", tmp_path / "list.json"),
+        "another schema": (base, "-b", tmp_path / "other.json"),
+        "negative bytes": (negative, "-b", base),
+        "missing current": (tmp_path / "nope", "-b", base),
+        "bad increase": (base, "-b", base, "--max-increase", "lots"),
+        "negative increase": (base, "-b", base, "--max-increase", "-5%"),
+        "bad metric": (base, "-b", base, "--metric", "category:weights"),
+        "bad format": (base, "-b", base, "--format", "html"),
+        "absent device": (base, "-b", base, "--device", "7"),
+    }
+    for what, args in cases.items():
+        result = check(tmp_path, *args)
+        assert result.code == 2, what
+        assert len(result.stderr.strip().splitlines()) == 1, (what, result.stderr)
+        assert "Traceback" not in result.stderr and result.stdout == "", what
+
+
+def test_text_from_a_report_cannot_drive_the_terminal(runs, tmp_path):
+    def forge(data):
+        data["devices"][0]["top_sites"][0]["site"] = "evil.py:1 f\x1b[2J\nREGRESSION: none"
+        data["devices"][0]["top_sites"][0]["bytes"] *= 50
+        data["devices"][0]["peak"]["allocated_bytes"] *= 2
+
+    result = check(tmp_path, edited(runs["base"], tmp_path, "forged", forge), "-b", runs["base"])
+    assert result.code == 1
+    assert "\x1b" not in result.stdout and "\\x1b[2J\\nREGRESSION" in result.stdout
+
+
+def test_run_max_peak_fails_the_run_after_reporting(tmp_path):
+    args = [SAMPLES / "mlp_adam.py", *flags(SMALL)]
+    over = memprof_run(tmp_path, "-o", tmp_path / "over", "--max-peak", "1MiB", *args)
+    peak = report(tmp_path / "over")["devices"][0]["peak"]["reserved_bytes"]
+    assert peak > 1 << 20
+    assert over.code == 1, over.stderr
+    assert "completed, exit code 0" in over.stderr
+    assert over.stderr.strip().splitlines()[-1].startswith("memprof: peak reserved")
+    under = memprof_run(tmp_path, "-o", tmp_path / "under", "--max-peak", str(peak), *args)
+    assert under.code == 0, under.stderr
+    bad = memprof_run(tmp_path, "--max-peak", "lots", *args)
+    assert bad.code == 2 and bad.stderr.startswith("memprof: error: --max-peak")
+    assert not (tmp_path / "reports").exists()  # refused before the script ran
+
+
+def test_help_teaches_the_gate():
+    result = run_python(["-m", "memprof", "check", "--help"], ROOT)
+    assert result.code == 0
+    for option in ("--baseline", "--max-increase", "--metric", "--update-baseline", "--format",
+                   "--allow-different"):
+        assert option in result.stdout
