@@ -1,7 +1,7 @@
 """The virtual GPU's predictions against real GPU runs whose code is public.
 
 Usage:
-    python benchmarks/groundtruth.py CHECKOUT... [--only TEXT] [--timeout SECONDS]
+    python benchmarks/groundtruth.py CHECKOUT... [--only TEXT] [--timeout SECONDS] [--memprof DIR]
     python benchmarks/groundtruth.py --self-check
 
 Each CHECKOUT is a folder named ``<owner>+<repo>@<commit>`` holding that repository at
@@ -237,8 +237,11 @@ class Outcome:
 _PRINTED = re.compile(r"Peak (?:allocated memory|memory allocated): ([0-9.]+) (GiB|MB)")
 
 
-def run_one(run: Run, checkout: Path, timeout: float) -> Outcome:
-    """Run ``run``'s script under the virtual GPU in a scratch folder and compare its dump."""
+def run_one(run: Run, checkout: Path, timeout: float, memprof: Path = ROOT) -> Outcome:
+    """Run ``run``'s script under the virtual GPU in a scratch folder and compare its dump.
+
+    ``memprof`` is the source tree whose ``memprof run`` runs it.
+    """
     outcome = Outcome(run, recorded=measure(load_snapshot(GROUNDTRUTH / "snapshots" / run.fixture)))
     if sys.version_info < run.python:
         outcome.problem = (f"not run: the script needs Python {'.'.join(map(str, run.python))}"
@@ -248,7 +251,7 @@ def run_one(run: Run, checkout: Path, timeout: float) -> Outcome:
         cwd = Path(scratch) / run.cwd
         cwd.mkdir(parents=True, exist_ok=True)
         (Path(scratch) / run.dump).parent.mkdir(parents=True, exist_ok=True)
-        paths = [str(ROOT), *(str(checkout / p) for p in run.pythonpath)]
+        paths = [str(memprof), *(str(checkout / p) for p in run.pythonpath)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         argv = [sys.executable, "-m", "memprof", "run", "--virtual-gpu", CARD,
                 "-o", str(Path(scratch) / "memprof"), "--force",
@@ -369,6 +372,8 @@ def main() -> int:
     parser.add_argument("checkouts", nargs="*", help="<owner>+<repo>@<commit> folders")
     parser.add_argument("--only", help="only runs whose snapshot name contains this")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--memprof", type=Path, default=ROOT,
+                        help="the memprof source tree to run (default: this one)")
     parser.add_argument("--self-check", action="store_true")
     args = parser.parse_args()
     if not (GROUNDTRUTH / "snapshots").is_dir():
@@ -383,16 +388,17 @@ def main() -> int:
                  + ", ".join(sorted({r.checkout for r in RUNS})))
     outcomes = []
     for run in chosen:
-        outcome = run_one(run, checkouts[run.checkout], args.timeout)
+        outcome = run_one(run, checkouts[run.checkout], args.timeout, args.memprof.resolve())
         print(f"{run.label}: {outcome.problem or f'{outcome.seconds:.0f} s'}", file=sys.stderr)
         outcomes.append(outcome)
     missing = sorted({r.checkout for r in RUNS} - set(checkouts))
-    notes = (f"Each script run unmodified under `memprof run --virtual-gpu '{CARD}'` (the"
-             " ground-truth cards are not recorded; none was a Hopper). Peaks as `memprof"
-             " explain` computes them on the dumped and the recorded snapshot (the recorded"
-             " window only). Targets: allocated 1% median / 3% worst, reserved 3% / 8%.\n\n"
-             + summary(outcomes) + "\n\n" + details(outcomes)
-             + (f"\n\nNo checkout given for: {', '.join(missing)}." if missing else ""))
+    notes = "\n\n".join(part for part in (
+        f"Each script run unmodified under `memprof run --virtual-gpu '{CARD}'` (the"
+        " ground-truth cards are not recorded; none was a Hopper). Peaks as `memprof"
+        " explain` computes them on the dumped and the recorded snapshot (the recorded"
+        " window only). Targets: allocated 1% median / 3% worst, reserved 3% / 8%.",
+        summary(outcomes), details(outcomes),
+        f"No checkout given for: {', '.join(missing)}." if missing else "") if part)
     write_table("groundtruth", HEADER, rows(outcomes), notes)
     return 0
 
