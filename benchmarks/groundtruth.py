@@ -1,7 +1,8 @@
 """The virtual GPU's predictions against real GPU runs whose code is public.
 
 Usage:
-    python benchmarks/groundtruth.py CHECKOUT... [--only TEXT] [--timeout SECONDS] [--memprof DIR]
+    python benchmarks/groundtruth.py CHECKOUT... [--only TEXT] [--timeout SECONDS]
+                                     [--memprof DIR] [--memory-limit GIB]
     python benchmarks/groundtruth.py --self-check
 
 Each CHECKOUT is a folder named ``<owner>+<repo>@<commit>`` holding that repository at
@@ -16,7 +17,8 @@ unmodified under ``memprof run --virtual-gpu CARD`` with the README's arguments,
 scratch folder; the snapshot the script dumps is compared with the one the real GPU
 recorded: peak allocated and peak reserved (as ``memprof explain`` computes them), the
 peak the script printed against its log, and, where they differ, the allocation sizes
-whose counts differ most (in bytes) and the first allocation where the two traces part.
+whose counts differ most (in bytes) and, with the two allocation sequences aligned, the
+allocations only one of them made (by site).
 Needs ``einops``, ``einx`` and ``jaxtyping`` (pure Python).
 
 ``--self-check`` compares every ground-truth snapshot with itself (all errors must be 0)
@@ -26,8 +28,10 @@ and with its neighbour of another size: a check of the comparison, without check
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -40,8 +44,9 @@ from pathlib import Path
 from measure import write_table
 
 from memprof.analysis.explain import explain
+from memprof.analysis.sites import short_path, site_of
 from memprof.trace import load_snapshot
-from memprof.trace.model import Action, Snapshot
+from memprof.trace.model import Action, Frames, Snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUNDTRUTH = Path(os.environ.get("MEMPROF_GROUNDTRUTH",
@@ -170,9 +175,14 @@ def measure(snapshot: Snapshot) -> Measured:
     return Measured(found.peak_allocated_bytes, found.peak_reserved_bytes, sizes, allocs)
 
 
-def _site(frames: tuple) -> str:
-    python = [f for f in frames if f.is_python]
-    return f"{Path(python[0].filename).name}:{python[0].line}" if python else "(no Python frames)"
+def _site(frames: Frames) -> str:
+    """The user's line (library line numbers move between torch and einops versions)."""
+    site = site_of(frames)
+    if site.user is not None:
+        return f"{short_path(site.user.filename)}:{site.user.line}"
+    if site.call is not None:
+        return f"{short_path(site.call.filename)}:{site.call.line}"
+    return "(no stack)"
 
 
 @dataclass
@@ -182,33 +192,44 @@ class Comparison:
     allocated_error: float  # percent, signed: predicted above recorded is positive
     reserved_error: float
     differing: list[tuple[int, int, int]] = field(default_factory=list)  # size, recorded, predicted
-    first_difference: str | None = None
+    # allocations of one trace that the other has not, once the two are aligned:
+    # (site, size, count), most bytes first
+    recorded_only: list[tuple[str, int, int]] = field(default_factory=list)
+    predicted_only: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def compare(predicted: Measured, recorded: Measured, top: int = 4) -> Comparison:
-    """Peak errors, the sizes whose counts differ most in bytes, where the traces part."""
+    """Peak errors, the sizes whose counts differ most in bytes, the allocations only one has."""
     differing = [(size, recorded.sizes[size], predicted.sizes[size])
                  for size in set(predicted.sizes) | set(recorded.sizes)
                  if predicted.sizes[size] != recorded.sizes[size]]
     differing.sort(key=lambda d: (-abs(d[2] - d[1]) * d[0], d[0]))
+    recorded_only, predicted_only = unmatched(recorded.allocs, predicted.allocs)
     return Comparison(_error(predicted.allocated, recorded.allocated),
                       _error(predicted.reserved, recorded.reserved), differing[:top],
-                      _first_difference(predicted.allocs, recorded.allocs))
+                      recorded_only[:top], predicted_only[:top])
 
 
 def _error(predicted: int, recorded: int) -> float:
     return 100.0 * (predicted - recorded) / recorded if recorded else 0.0
 
 
-def _first_difference(predicted: list[tuple[int, str]], recorded: list[tuple[int, str]]
-                      ) -> str | None:
-    for i, (p, r) in enumerate(zip(predicted, recorded, strict=False)):
-        if p[0] != r[0]:
-            return (f"allocation {i + 1}: recorded {r[0]:,} B at {r[1]}, "
-                    f"predicted {p[0]:,} B at {p[1]}")
-    if len(predicted) != len(recorded):
-        return f"recorded {len(recorded):,} allocations, predicted {len(predicted):,}"
-    return None
+def unmatched(recorded: list[tuple[int, str]], predicted: list[tuple[int, str]]
+              ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """Align two allocation sequences by size; what each has that the other has not.
+
+    Sites do not take part: the GPU records no stack for autograd's thread, and Python
+    versions differ in the line they give a multi-line statement.
+    """
+    matcher = difflib.SequenceMatcher(None, [size for size, _ in recorded],
+                                      [size for size, _ in predicted], autojunk=False)
+    only: tuple[Counter, Counter] = (Counter(), Counter())
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag != "equal":
+            only[0].update(recorded[i1:i2])
+            only[1].update(predicted[j1:j2])
+    return tuple(sorted(((site, size, n) for (size, site), n in c.items()),
+                        key=lambda x: (-x[1] * x[2], x[0], x[1])) for c in only)
 
 
 def _differing_text(comparison: Comparison) -> str:
@@ -237,10 +258,13 @@ class Outcome:
 _PRINTED = re.compile(r"Peak (?:allocated memory|memory allocated): ([0-9.]+) (GiB|MB)")
 
 
-def run_one(run: Run, checkout: Path, timeout: float, memprof: Path = ROOT) -> Outcome:
+def run_one(run: Run, checkout: Path, timeout: float, memprof: Path = ROOT,
+            memory_limit: int = 6 * GIB) -> Outcome:
     """Run ``run``'s script under the virtual GPU in a scratch folder and compare its dump.
 
-    ``memprof`` is the source tree whose ``memprof run`` runs it.
+    ``memprof`` is the source tree whose ``memprof run`` runs it; the run may map at most
+    ``memory_limit`` bytes (a virtual GPU holds no device memory on the host: a run that
+    needs more is reported instead of exhausting the machine).
     """
     outcome = Outcome(run, recorded=measure(load_snapshot(GROUNDTRUTH / "snapshots" / run.fixture)))
     if sys.version_info < run.python:
@@ -259,20 +283,29 @@ def run_one(run: Run, checkout: Path, timeout: float, memprof: Path = ROOT) -> O
         start = time.perf_counter()
         try:
             done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
+                                  timeout=timeout, preexec_fn=lambda: resource.setrlimit(
+                                      resource.RLIMIT_AS, (memory_limit, memory_limit)))
         except subprocess.TimeoutExpired:
             outcome.problem = f"timed out after {timeout:.0f} s"
             return outcome
         outcome.seconds = time.perf_counter() - start
         dump = Path(scratch) / run.dump
         if done.returncode != 0 or not dump.is_file():
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            outcome.problem = f"exit {done.returncode}, no dump: {last[:200]}"
+            outcome.problem = f"exit {done.returncode}, no dump: {_reason(done.stderr)[:200]}"
             return outcome
         outcome.predicted = measure(load_snapshot(dump))
     outcome.comparison = compare(outcome.predicted, outcome.recorded)
     outcome.printed = _printed(done.stdout, run.log)
     return outcome
+
+
+_EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b")
+
+
+def _reason(stderr: str) -> str:
+    """The exception a failed run ended with, else its last line."""
+    lines = stderr.strip().splitlines() or ["no output"]
+    return next((line for line in reversed(lines) if _EXCEPTION.match(line)), lines[-1])
 
 
 def _printed(stdout: str, log: str | None) -> str:
@@ -326,7 +359,8 @@ def rows(outcomes: list[Outcome]) -> list[list[str]]:
         assert recorded is not None
         if o.comparison is None or o.predicted is None:
             table.append([o.run.label, f"{recorded.allocated / MIB:,.1f}", "-", "-",
-                          f"{recorded.reserved / MIB:,.0f}", "-", "-", "", o.problem])
+                          f"{recorded.reserved / MIB:,.0f}", "-", "-", "",
+                          o.problem.replace("|", "/")])
             continue
         c, p = o.comparison, o.predicted
         table.append([o.run.label, f"{recorded.allocated / MIB:,.1f}",
@@ -342,10 +376,21 @@ HEADER = ["run", "alloc MiB (GPU)", "alloc MiB (predicted)", "error", "reserved 
 
 
 def details(outcomes: list[Outcome]) -> str:
-    lines = [f"- {o.run.label}: {o.comparison.first_difference}" for o in outcomes
-             if o.comparison is not None and o.comparison.first_difference]
-    return ("Where each predicted trace first parts from the recorded one:\n\n"
-            + "\n".join(lines)) if lines else ""
+    """Per run, the allocations only the GPU made and only the prediction made."""
+    lines = []
+    for o in outcomes:
+        c = o.comparison
+        if c is None or not (c.recorded_only or c.predicted_only):
+            continue
+        lines.append(f"- {o.run.label}: only on the GPU: {_sites_text(c.recorded_only)};"
+                     f" only predicted: {_sites_text(c.predicted_only)}")
+    return ("Allocations one trace has and the other has not, once the two sequences are"
+            " aligned (site, size x count, most bytes first):\n\n" + "\n".join(lines)
+            ) if lines else ""
+
+
+def _sites_text(found: list[tuple[str, int, int]]) -> str:
+    return ", ".join(f"{site} {size / MIB:.2f} MiB x{n}" for site, size, n in found) or "none"
 
 
 def self_check() -> int:
@@ -357,7 +402,7 @@ def self_check() -> int:
         same = compare(measured[run.fixture], measured[run.fixture])
         other = compare(measured[neighbour.fixture], measured[run.fixture])
         exact = not (same.allocated_error or same.reserved_error or same.differing
-                     or same.first_difference)
+                     or same.recorded_only or same.predicted_only)
         told_apart = bool(other.differing and other.allocated_error)
         wrong += (not exact) + (not told_apart)
         print(f"{run.label}: itself {'identical' if exact else 'WRONG: differs'}; as predicted"
@@ -374,6 +419,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--memprof", type=Path, default=ROOT,
                         help="the memprof source tree to run (default: this one)")
+    parser.add_argument("--memory-limit", type=float, default=6.0, metavar="GIB",
+                        help="address space a run may map (default 6 GiB)")
     parser.add_argument("--self-check", action="store_true")
     args = parser.parse_args()
     if not (GROUNDTRUTH / "snapshots").is_dir():
@@ -388,7 +435,8 @@ def main() -> int:
                  + ", ".join(sorted({r.checkout for r in RUNS})))
     outcomes = []
     for run in chosen:
-        outcome = run_one(run, checkouts[run.checkout], args.timeout, args.memprof.resolve())
+        outcome = run_one(run, checkouts[run.checkout], args.timeout, args.memprof.resolve(),
+                          int(args.memory_limit * GIB))
         print(f"{run.label}: {outcome.problem or f'{outcome.seconds:.0f} s'}", file=sys.stderr)
         outcomes.append(outcome)
     missing = sorted({r.checkout for r in RUNS} - set(checkouts))
