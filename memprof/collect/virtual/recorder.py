@@ -15,6 +15,7 @@ import torch
 
 from memprof.analysis.allocator import CachingAllocator, OutOfMemory
 from memprof.analysis.layout import Placer
+from memprof.collect.frames import Frame, StackCapture
 from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.tensor import VirtualTensor
@@ -23,11 +24,19 @@ from memprof.trace.model import AllocatorSettings
 _COLLECT = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
 
 
+class _UserStacks(StackCapture):
+    """Stacks without memprof's own frames (the routing mode sits between user and torch)."""
+
+    def _build(self, frame: FrameType | None) -> list[Frame]:
+        return [f for f in super()._build(frame) if not str(f["filename"]).startswith(_COLLECT)]
+
+
 class VirtualRecorder(StorageTracker):
     """Records virtual CUDA storages and keeps the predicted allocator state current."""
 
     def __init__(self, card: Card, settings: AllocatorSettings) -> None:
         super().__init__()
+        self._stacks = _UserStacks()
         self.card = card
         self.placer = Placer(CachingAllocator(settings, limit=card.usable_bytes))
         self.peak_allocated = 0
