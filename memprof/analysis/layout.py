@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from memprof.analysis.allocator import Block, CachingAllocator
+from memprof.analysis.allocator import Block, CachingAllocator, Segment
 from memprof.trace.model import AllocatorSettings
 
 Event = dict[str, Any]
@@ -62,11 +62,15 @@ class Placer:
         action = event["action"]
         if action == "alloc":
             reserved = alloc.reserved
-            before = {s.addr: s.total for s in alloc.segments.values()}
-            block = alloc.malloc(event["size"], event.get("stream", 0))
+            before = dict(alloc.segments)
+            totals = {addr: seg.total for addr, seg in before.items()}
+            try:
+                block = alloc.malloc(event["size"], event.get("stream", 0))
+            finally:  # under a limit, cached segments go back to the device first
+                self._released(before, event.get("time_us", 0))
             self.position.append(len(out))
             if alloc.reserved != reserved:
-                out.extend(_growth(alloc, before, event))
+                out.extend(_growth(alloc, totals, event))
                 self.position[-1] = len(out)
             self._blocks[event["addr"]] = block
             self._stacks[block.addr] = event.get("frames", [])
@@ -90,8 +94,12 @@ class Placer:
 
     def release_cached(self, time_us: int) -> None:
         """``empty_cache()``: return cached segments to the device, with their trace events."""
-        before = {s.addr: s for s in self.alloc.segments.values()}
+        before = dict(self.alloc.segments)
         self.alloc.release_cached()
+        self._released(before, time_us)
+
+    def _released(self, before: dict[int, Segment], time_us: int) -> None:
+        """Trace the segments of ``before`` that the allocator has given back since."""
         for addr, seg in before.items():
             if addr not in self.alloc.segments:
                 action = "segment_unmap" if seg.expandable else "segment_free"

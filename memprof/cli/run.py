@@ -108,7 +108,10 @@ def run(
     if card is not None:
         from memprof.collect.virtual.session import record_virtual
 
-        recording = record_virtual(target, card, settings, profile_path)
+        announce = None if virtual_gpu else (
+            f"memprof: no GPU here: CUDA runs on a virtual {card.name} (--virtual-gpu SPEC for"
+            " another card, --device cpu to record host tensors instead)")
+        recording = record_virtual(target, card, settings, profile_path, announce)
     else:
         recording = session.record(target, use_cuda, max_entries, settings, profile_path)
     notes = Console(stderr=True, soft_wrap=True)
@@ -152,12 +155,7 @@ def virtual_card(spec: str | None, by_default: bool) -> Card | None:
     from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
 
     if spec is None:
-        if not by_default:
-            return None
-        print(f"memprof: no GPU here: the script runs on a virtual {DEFAULT_CARD.name}"
-              " (--virtual-gpu SPEC for another card, --device cpu to record host tensors)",
-              file=sys.stderr)
-        return DEFAULT_CARD
+        return DEFAULT_CARD if by_default else None
     try:
         return parse_spec(spec)
     except ValueError as exc:

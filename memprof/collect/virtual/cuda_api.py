@@ -155,7 +155,7 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
         "memory_stats": stats,
         "empty_cache": empty_cache,
         "mem_get_info": mem_get_info,
-        "set_per_process_memory_fraction": _nothing,
+        "set_per_process_memory_fraction": lambda f, device=None: recorder.set_fraction(f),
         "memory_snapshot": lambda *a, **k: history.snapshot()["segments"],
     }
     patches: dict[tuple[Any, str], Callable[..., Any] | type] = {}

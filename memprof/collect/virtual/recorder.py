@@ -34,11 +34,14 @@ class _UserStacks(StackCapture):
 class VirtualRecorder(StorageTracker):
     """Records virtual CUDA storages and keeps the predicted allocator state current."""
 
-    def __init__(self, card: Card, settings: AllocatorSettings) -> None:
+    def __init__(self, card: Card, settings: AllocatorSettings, announce: str | None = None
+                 ) -> None:
         super().__init__()
+        self._announce = announce  # said when the first CUDA tensor is made
         self._stacks = _UserStacks()
         self.card = card
         self.placer = Placer(CachingAllocator(settings, limit=card.usable_bytes))
+        self.allowed: int | None = None  # set_per_process_memory_fraction's cap
         self.peak_allocated = 0
         self.peak_reserved = 0
         self.ooms = 0
@@ -47,6 +50,13 @@ class VirtualRecorder(StorageTracker):
     def allocator(self) -> CachingAllocator:
         return self.placer.alloc
 
+    def set_fraction(self, fraction: float) -> None:
+        """``set_per_process_memory_fraction``: cap reserved memory at a share of the card."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        self.allowed = int(fraction * self.card.total_bytes)
+        self.allocator.limit = min(self.card.usable_bytes, self.allowed)
+
     def reset_peaks(self) -> None:
         """``reset_peak_memory_stats()``: peaks restart from what is held now."""
         self.peak_allocated = self.allocator.allocated
@@ -54,6 +64,9 @@ class VirtualRecorder(StorageTracker):
 
     def adopt(self, t: VirtualTensor) -> None:
         """Record a virtual tensor made outside an operator (a factory, a host copy)."""
+        if self._announce:
+            print(self._announce, file=sys.stderr)
+            self._announce = None
         self._record(t, None, (), {})
 
     def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
@@ -77,7 +90,11 @@ class VirtualRecorder(StorageTracker):
             self.events.pop()
             del self._live[key]
             self._addrs.discard(event["addr"])
-            self._raise_oom(oom, event)
+            error = self._oom(oom, event)
+        else:
+            error = None
+        if error is not None:
+            raise error  # outside the handler: the script sees PyTorch's error alone
         alloc = self.allocator
         self.peak_allocated = max(self.peak_allocated, alloc.allocated)
         self.peak_reserved = max(self.peak_reserved, alloc.reserved)
@@ -87,14 +104,14 @@ class VirtualRecorder(StorageTracker):
         self.placer.add(self.events[-2])
         self.placer.add(self.events[-1])
 
-    def _raise_oom(self, oom: OutOfMemory, event: dict) -> None:
+    def _oom(self, oom: OutOfMemory, event: dict) -> torch.OutOfMemoryError:
         self.ooms += 1
-        free = max(0, self.card.usable_bytes - oom.reserved)
+        free = max(0, self.card.usable_bytes - oom.reserved)  # cudaMemGetInfo's free
         record = {"action": "oom", "addr": 0, "size": oom.device_alloc, "stream": 0,
                   "device_free": free, "time_us": event["time_us"], "frames": event["frames"]}
         self.events.append(record)
         self.placer.add(record)
-        raise torch.OutOfMemoryError(oom_message(self.card, oom, free))
+        return torch.OutOfMemoryError(oom_message(self.card, oom, free, self.allowed))
 
 
 def format_size(size: int) -> str:
@@ -108,15 +125,17 @@ def format_size(size: int) -> str:
     return f"{size / (1 << 30):.2f} GiB"
 
 
-def oom_message(card: Card, oom: OutOfMemory, free: int) -> str:
+def oom_message(card: Card, oom: OutOfMemory, free: int, allowed: int | None = None) -> str:
     """The message ``CUDACachingAllocator.cpp`` raises, for the card's numbers."""
     in_use = card.total_bytes - free
+    cap = "" if allowed is None else f"{format_size(allowed)} allowed; "
     return (f"CUDA out of memory. Tried to allocate {format_size(oom.device_alloc)}. GPU 0 has a"
             f" total capacity of {format_size(card.total_bytes)} of which {format_size(free)}"
             f" is free. Including non-PyTorch memory, this process has {format_size(in_use)}"
-            f" memory in use. Of the allocated memory {format_size(oom.allocated)} is allocated"
+            f" memory in use. {cap}Of the allocated memory {format_size(oom.allocated)} is allocated"
             f" by PyTorch, and {format_size(oom.reserved - oom.allocated)} is reserved by"
             " PyTorch but unallocated. If reserved but unallocated memory is large try setting"
             " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See"
             " documentation for Memory Management "
-            " (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+            " (https://docs.pytorch.org/docs/stable/notes/cuda.html"
+            "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")

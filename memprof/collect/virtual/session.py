@@ -16,9 +16,12 @@ from memprof.trace.model import AllocatorSettings
 
 
 def record_virtual(target: Target, card: Card, settings: AllocatorSettings,
-                   profile_to: Path | None = None) -> Recording:
-    """Run ``target`` once on a virtual ``card``: its CUDA memory as that card would show it."""
-    gpu = VirtualGpu(card, settings, settings_dict(settings))
+                   profile_to: Path | None = None, announce: str | None = None) -> Recording:
+    """Run ``target`` once on a virtual ``card``: its CUDA memory as that card would show it.
+
+    ``announce`` is printed on stderr when the script first makes a CUDA tensor.
+    """
+    gpu = VirtualGpu(card, settings, settings_dict(settings), announce)
     recorder = CpuRecorder(gpu.recorder)
     profiler = StepWindowProfiler(profile_to) if profile_to is not None else None
     start = time.perf_counter()
