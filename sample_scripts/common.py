@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from torch import nn
 
 

@@ -100,7 +100,8 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
     def stats(device: object = None) -> dict[str, int]:
         current = {"allocated_bytes": alloc.allocated, "reserved_bytes": alloc.reserved,
                    "active_bytes": alloc.allocated, "requested_bytes": alloc.requested}
-        peak = {"allocated_bytes": recorder.peak_allocated, "reserved_bytes": recorder.peak_reserved,
+        peak = {"allocated_bytes": recorder.peak_allocated,
+                "reserved_bytes": recorder.peak_reserved,
                 "active_bytes": recorder.peak_allocated, "requested_bytes": alloc.requested}
         out: dict[str, int] = OrderedDict()
         for key in sorted(current):
@@ -134,7 +135,9 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
         "get_device_properties": lambda device=None: props,
         "get_device_capability": lambda device=None: card.capability,
         "get_arch_list": lambda: [f"sm_{card.capability[0]}{card.capability[1]}"],
-        "is_bf16_supported": lambda including_emulation=True: card.capability >= (8, 0),
+        # before compute capability 8.0, bf16 is emulated, which the default allows
+        "is_bf16_supported": lambda including_emulation=True: (including_emulation
+                                                               or card.capability >= (8, 0)),
         "synchronize": _nothing,
         "Event": Event,
         "Stream": Stream,

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._device import DeviceContext, _device_constructors
 
 from memprof.collect.virtual.attention import sdpa
 from memprof.collect.virtual.autocast import cast_for_cuda
@@ -21,6 +22,7 @@ from memprof.collect.virtual.tensor import VirtualTensor, adopt, virtual_like
 
 _META = torch.device("meta")
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+_FACTORIES = _device_constructors()
 
 
 def is_cuda_device(device: object) -> bool:
@@ -51,11 +53,23 @@ class CudaRouting(TorchFunctionMode):
             return args[0]
         if func is _SDPA:
             return sdpa(self.card, *args, **kwargs)
-        if is_cuda_device(kwargs.get("device")):
+        device = kwargs.get("device")
+        if device is None and func in _FACTORIES:
+            device = _default_device()  # set_default_device("cuda") adds it below this mode
+        if is_cuda_device(device):
             out = func(*args, **{**kwargs, "device": _META})
             return adopt(VirtualTensor(out)) if isinstance(out, torch.Tensor) else out
         args, kwargs = cast_for_cuda(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _default_device() -> torch.device | None:
+    """``torch.set_default_device``'s device (``get_default_device`` would make a tensor)."""
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    return context.device if context is not None else None
 
 
 def _to_cuda(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -74,4 +88,5 @@ def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torc
     if not isinstance(t, VirtualTensor):
         return virtual_like(t, dtype)
     return func(t, device=_META, dtype=dtype or t.dtype, non_blocking=non_blocking,
-                copy=kwargs.get("copy", False), memory_format=memory_format or torch.preserve_format)
+                copy=kwargs.get("copy", False),
+                memory_format=memory_format or torch.preserve_format)
