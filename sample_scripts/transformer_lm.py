@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> tuple[DecoderLM, torch.optim.Optimize
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    model = build_model(args).to(device)
+    with device:  # parameters made where they live: no host copy of a large model
+        model = build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"decoder LM: {args.layers} layers, d_model {args.d_model}, {args.heads} heads,"

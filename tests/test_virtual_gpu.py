@@ -22,6 +22,9 @@ from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
 
 BF16 = torch.bfloat16.itemsize
 AMP_SIZES = (96, 80, 24, 20)
+# 3.26B parameters: 61 GiB predicted, no GPU and a few hundred MiB of host memory
+SCALE = ["--layers", "26", "--d-model", "3072", "--heads", "24", "--seq", "1024", "--batch",
+         "1", "--vocab", "50257", "--amp", "bf16"]
 ATTENTION = load_sample("transformer_lm").PRESETS["tiny"]
 
 API = """\
@@ -123,6 +126,11 @@ def default_card(where: Path) -> Result:
 def autocast(where: Path) -> Result:
     code = AUTOCAST.replace("{sizes}", ", ".join(map(str, AMP_SIZES)))
     return inline(where, "H100", "amp", code, str(where / "dumped.pickle"))
+
+
+@job
+def scale(where: Path) -> Result:
+    return virtual_run(where, "H100", SAMPLES / "transformer_lm.py", *SCALE, "--steps", "1")
 
 
 @job
@@ -294,3 +302,18 @@ def test_out_of_memory_where_the_card_would(runs: dict[str, Future[Any]]) -> Non
     assert data["run"]["exit"]["status"] == "raised"
     assert data["devices"][0]["oom"]["requested_bytes"] == hidden * hidden * F32
     assert cached >= 0
+
+
+def test_a_3b_parameter_model_runs_without_its_memory(runs: dict[str, Future[Any]]) -> None:
+    result, where = finished(runs, "scale")
+    transformer = load_sample("transformer_lm")
+    with torch.device("meta"):
+        model = transformer.build_model(transformer.parse_args(SCALE))
+    params = list(model.parameters())
+    assert sum(p.numel() for p in params) > 3_000_000_000
+    param_bytes = sum(block(p.numel() * F32) for p in params)
+    device = device_of(where)
+    assert device["category_peaks"]["parameters"] == param_bytes
+    assert device["category_peaks"]["gradients"] == param_bytes
+    assert device["category_peaks"]["optimizer_state"] == 2 * param_bytes
+    assert device["peak"]["allocated_bytes"] > 4 * param_bytes
