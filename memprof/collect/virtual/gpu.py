@@ -1,0 +1,69 @@
+"""The virtual GPU for one run: CUDA made virtual, ``torch.cuda`` answering as the card.
+
+    gpu = VirtualGpu(parse_spec("A100 40GB"), settings, settings_dict)
+    with CpuRecorder(gpu.recorder), gpu:
+        runpy.run_path("train.py", run_name="__main__")
+    gpu.recorder.placer.layout()  # the predicted CUDA trace and segments
+
+While entered: the routing mode makes the script's CUDA tensors virtual, the
+``torch.cuda`` functions answer as the card (memory figures from the allocator model),
+the optimizers take their CUDA paths (foreach by default), and ``torch.compile``
+returns the function unchanged, with a notice: compiled code runs eagerly.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch.optim.optimizer import _foreach_supported_types
+
+from memprof.collect.virtual.cards import Card
+from memprof.collect.virtual.cuda_api import HistoryWindow, cuda_api
+from memprof.collect.virtual.recorder import VirtualRecorder
+from memprof.collect.virtual.routing import CudaRouting
+from memprof.collect.virtual.tensor import VirtualTensor
+from memprof.trace.model import AllocatorSettings
+
+
+class VirtualGpu:
+    """Installs the virtual card for the duration of a ``with`` block (single use)."""
+
+    def __init__(self, card: Card, settings: AllocatorSettings,
+                 settings_dict: dict[str, Any] | None = None, announce: str | None = None
+                 ) -> None:
+        self.card = card
+        self.recorder = VirtualRecorder(card, settings, announce)
+        self.history = HistoryWindow(self.recorder, settings_dict or {})
+        self._routing = CudaRouting(card)
+        self._saved: dict[tuple[Any, str], Any] = {}
+
+    def __enter__(self) -> VirtualGpu:
+        patches = cuda_api(self.card, self.recorder, self.history)
+        patches[(torch, "compile")] = _eager_compile
+        for (owner, name), value in patches.items():
+            self._saved[(owner, name)] = getattr(owner, name)
+            setattr(owner, name, value)
+        _foreach_supported_types.append(VirtualTensor)
+        VirtualTensor.on_create = self.recorder.adopt
+        self._routing.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._routing.__exit__(None, None, None)
+        VirtualTensor.on_create = None
+        _foreach_supported_types.remove(VirtualTensor)
+        for (owner, name), value in self._saved.items():
+            setattr(owner, name, value)
+        self._saved.clear()
+
+
+def _eager_compile(model: Any = None, **kwargs: Any) -> Any:
+    """``torch.compile`` under the virtual GPU: the function itself, run eagerly."""
+    print("memprof: virtual GPU: torch.compile ran the model eagerly; compiled kernels'"
+          " memory (fusion, the partitioner's saved activations) is not predicted",
+          file=sys.stderr)
+    if model is None:
+        return lambda fn: fn
+    return model
