@@ -110,3 +110,24 @@ def test_windowed_runs_hold_the_workspaces_from_before_the_window(prefix):
                 and b["size"] == size]
         assert len(held) == (2 if "training" in path.name or "full_step" in path.name else 1), \
             path.name
+
+
+@pytest.mark.parametrize("ctx, staging", [("100", None), ("150", 6 << 20), ("200", 8 << 20)])
+def test_global_reductions_stage_through_the_allocator(ctx, staging):
+    """RMSNorm weight gradients: output (512 floats), staging buffer, semaphores, both freed."""
+    path, = groundtruth("NiuHuangxiaozi+assignment2-systems+cs336_systems_profile_memory_"
+                        f"forward_and_backward_memory_snapshot_{ctx}.pickle")
+    trace = load_raw(path)["device_traces"][0]
+    allocs = [i for i, e in enumerate(trace) if e["action"] == "alloc"]
+    found = [i for i in allocs if trace[i]["size"] in (6 << 20, 8 << 20)]
+    if staging is None:
+        assert found == []
+        return
+    assert len(found) == 9 * 3  # 2 norms x 4 layers + the final norm, 3 steps
+    for i in found:
+        assert trace[i]["size"] == staging
+        assert [trace[i + k]["action"] for k in (-1, 1)] == ["alloc", "alloc"]
+        assert (trace[i - 1]["size"], trace[i + 1]["size"]) == (512 * 4, 16)
+        frees = {(e["addr"], e["action"]) for e in trace[i + 2:i + 6]}
+        assert (trace[i]["addr"], "free_requested") in frees
+        assert (trace[i + 1]["addr"], "free_requested") in frees

@@ -24,6 +24,16 @@ allocation is **the cuBLAS workspace**, and it behaves exactly as PyTorch's
   ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` it is separate: ``CUBLASLT_WORKSPACE_SIZE``
   KiB, default 1 MiB, per (thread, device, stream) too.
 
+The fixtures show one more kind, not modelled here yet: **the staging buffer of a
+global reduction** (``aten/src/ATen/native/cuda/Reduce.cuh``: when a reduction splits
+each output across several blocks, ``ReduceConfig::global_memory_size()`` bytes of
+accumulators and ``semaphore_size()`` bytes of semaphores come from the caching
+allocator, right after the output, and are freed when the kernel is queued). In
+NiuHuangxiaozi's training runs every RMSNorm weight gradient (512 outputs summed over
+batch x sequence rows) makes one: 6 MiB + 16 B at 1,500 rows, 8 MiB + 16 B at 2,000,
+none at 1,000; 9 norms x 3 steps = 27 per run. Their size follows the launch
+configuration (``setReduceConfig``: block shape, SM count), so a model needs that logic.
+
 Not learnt from the fixtures (none has them): cuDNN convolution workspaces (allocated
 and freed inside the op, size chosen by the algorithm search) and NCCL buffers (outside
 the caching allocator).
