@@ -21,7 +21,10 @@ _MIB = 1 << 20
 # PyTorch process holds outside the caching allocator. No ground-truth run recorded
 # nvidia-smi, so no card has a measured figure yet: this is the assumption, inside the
 # 300-600 MiB that PyTorch processes with lazy module loading (CUDA 11.7+, the default
-# since PyTorch 1.13) show beside memory_reserved() in nvidia-smi.
+# since PyTorch 1.13) show beside memory_reserved() in nvidia-smi. The one fixture that
+# tells (Constructor-Sun's OOM on device 1: 78.42 GiB reserved + 91.25 MiB free, an 80 GB
+# non-Hopper card by its cuBLAS workspace) leaves about 0.75 GiB on an A100 80GB, but
+# that process also held nn.DataParallel's NCCL state: not a clean measurement.
 CONTEXT_ASSUMED_BYTES = 512 * _MIB
 
 
