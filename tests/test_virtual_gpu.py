@@ -305,7 +305,7 @@ def test_out_of_memory_where_the_card_would(runs: dict[str, Future[Any]]) -> Non
 
 
 def test_a_3b_parameter_model_runs_without_its_memory(runs: dict[str, Future[Any]]) -> None:
-    result, where = finished(runs, "scale")
+    _, where = finished(runs, "scale")
     transformer = load_sample("transformer_lm")
     with torch.device("meta"):
         model = transformer.build_model(transformer.parse_args(SCALE))

@@ -79,10 +79,11 @@ def _to_cuda(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torch.Tensor:
+    parsed = args
     if args and isinstance(args[0], torch.Tensor):  # to(other): other's device and dtype
-        other = args[0]
-        args = (other.device, other.dtype, *args[1:])
-    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        parsed = (args[0].device, args[0].dtype, *args[1:])
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(
+        *parsed, **{k: v for k, v in kwargs.items() if k != "copy"})
     if device is None or device.type != "cuda":
         return func(t, *args, **kwargs)
     if not isinstance(t, VirtualTensor):
