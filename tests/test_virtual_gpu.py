@@ -40,6 +40,8 @@ torch.set_default_device("cuda")
 made = torch.zeros(8)
 linear = nn.Linear(16, 32)
 torch.set_default_device("cpu")
+compiled = torch.compile(linear)(torch.ones(3, 16, device="cuda"))
+decorated = torch.compile(mode="max-autotune")(lambda t: t * 2)(made)
 print(json.dumps({
     "available": torch.cuda.is_available(), "count": torch.cuda.device_count(),
     "current": torch.cuda.current_device(), "name": torch.cuda.get_device_name(0),
@@ -49,6 +51,7 @@ print(json.dumps({
     "linear": [linear.weight.device.type, list(linear.weight.shape)],
     "item": made.sum().item(), "tolist": made[:2].tolist(),
     "allocated": torch.cuda.memory_allocated(),
+    "compiled": [list(compiled.shape), compiled.is_cuda, decorated.is_cuda],
 }))
 """
 
@@ -267,8 +270,11 @@ def test_torch_cuda_answers_as_the_card(runs: dict[str, Future[Any]]) -> None:
         "mem_get_info": [card.usable_bytes - (2 << 20), card.total_bytes],  # one small segment
         "pinned_on_host": "cpu", "default_is_cuda": True, "linear": ["cuda", [32, 16]],
         "item": 0.0, "tolist": [0.0, 0.0],
-        "allocated": block(8 * F32) + block(32 * 16 * F32) + block(32 * F32)}
+        "allocated": block(8 * F32) + block(32 * 16 * F32) + block(32 * F32)
+        + block(3 * 16 * F32) + block(3 * 32 * F32) + block(8 * F32),
+        "compiled": [[3, 32], True, True]}
     assert result.stderr.count("hold no values") == 1
+    assert result.stderr.count("torch.compile ran the model eagerly") == 2
 
 
 def test_host_tensors_are_not_device_memory(runs: dict[str, Future[Any]]) -> None:
@@ -305,7 +311,7 @@ def test_out_of_memory_where_the_card_would(runs: dict[str, Future[Any]]) -> Non
 
 
 def test_a_3b_parameter_model_runs_without_its_memory(runs: dict[str, Future[Any]]) -> None:
-    result, where = finished(runs, "scale")
+    _, where = finished(runs, "scale")
     transformer = load_sample("transformer_lm")
     with torch.device("meta"):
         model = transformer.build_model(transformer.parse_args(SCALE))

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from memprof.collect.virtual.autocast import lower_precision
 from memprof.collect.virtual.cards import Card
 
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
@@ -49,6 +50,8 @@ def sdpa(card: Card, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if not (query.is_cuda and key.is_cuda and value.is_cuda):
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa)
+    # autocast casts at scaled_dot_product_attention, before the kernel is chosen
+    query, key, value = lower_precision(query, key, value)
     kernel = choose_kernel(card, query, key, value, attn_mask, enable_gqa)
     if kernel == FLASH:
         return _aten._scaled_dot_product_flash_attention(

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _foreach_supported_types
 
+from memprof.collect.virtual import autocast
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.cuda_api import HistoryWindow, cuda_api
 from memprof.collect.virtual.recorder import VirtualRecorder
@@ -38,25 +39,39 @@ class VirtualGpu:
         self.history = HistoryWindow(self.recorder, settings_dict or {})
         self._routing = CudaRouting(card)
         self._saved: dict[tuple[Any, str], Any] = {}
+        self._autocast: torch.library.Library | None = None
 
     def __enter__(self) -> VirtualGpu:
         patches = cuda_api(self.card, self.recorder, self.history)
         patches[(torch, "compile")] = _eager_compile
+        patches[(torch, "clear_autocast_cache")] = _clear_autocast_cache
         for (owner, name), value in patches.items():
             self._saved[(owner, name)] = getattr(owner, name)
             setattr(owner, name, value)
         _foreach_supported_types.append(VirtualTensor)
         VirtualTensor.on_create = self.recorder.adopt
+        self._autocast = autocast.install()
         self._routing.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._routing.__exit__(None, None, None)
+        if self._autocast is not None:
+            self._autocast._destroy()
+        autocast.clear_cache()
         VirtualTensor.on_create = None
         _foreach_supported_types.remove(VirtualTensor)
         for (owner, name), value in self._saved.items():
             setattr(owner, name, value)
         self._saved.clear()
+
+
+_clear_cpp_autocast_cache = torch.clear_autocast_cache
+
+
+def _clear_autocast_cache() -> None:
+    _clear_cpp_autocast_cache()
+    autocast.clear_cache()
 
 
 def _eager_compile(model: Any = None, **kwargs: Any) -> Any:

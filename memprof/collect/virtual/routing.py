@@ -3,8 +3,7 @@
 Factories asked for a CUDA device (``device="cuda"``, ``set_default_device("cuda")``,
 ``nn.Linear(..., device="cuda")``), ``.cuda()`` and ``.to("cuda")`` give virtual CUDA
 tensors; host tensors stay real. ``pin_memory()`` keeps the host tensor (there is no
-accelerator to pin for), autocast follows CUDA's policy (``autocast.py``) and
-``scaled_dot_product_attention`` the card's kernel (``attention.py``).
+accelerator to pin for), ``scaled_dot_product_attention`` runs the card's kernel (``attention.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._device import DeviceContext, _device_constructors
 
 from memprof.collect.virtual.attention import sdpa
-from memprof.collect.virtual.autocast import cast_for_cuda
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.tensor import VirtualTensor, adopt, virtual_like
 
@@ -59,7 +57,6 @@ class CudaRouting(TorchFunctionMode):
         if is_cuda_device(device):
             out = func(*args, **{**kwargs, "device": _META})
             return adopt(VirtualTensor(out)) if isinstance(out, torch.Tensor) else out
-        args, kwargs = cast_for_cuda(func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -79,10 +76,11 @@ def _to_cuda(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torch.Tensor:
+    parsed = args
     if args and isinstance(args[0], torch.Tensor):  # to(other): other's device and dtype
-        other = args[0]
-        args = (other.device, other.dtype, *args[1:])
-    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        parsed = (args[0].device, args[0].dtype, *args[1:])
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(
+        *parsed, **{k: v for k, v in kwargs.items() if k != "copy"})
     if device is None or device.type != "cuda":
         return func(t, *args, **kwargs)
     if not isinstance(t, VirtualTensor):

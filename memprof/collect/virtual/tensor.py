@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from memprof.collect.virtual.autocast import AUTOCAST_CUDA
+
 CUDA = torch.device("cuda", 0)
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -51,7 +53,8 @@ class VirtualTensor(torch.Tensor):
         r = torch.Tensor._make_wrapper_subclass(
             cls, elem.shape, strides=elem.stride(), storage_offset=elem.storage_offset(),
             dtype=elem.dtype, layout=elem.layout, device="meta",
-            requires_grad=elem.requires_grad if requires_grad is None else requires_grad)
+            requires_grad=elem.requires_grad if requires_grad is None else requires_grad,
+            _extra_dispatch_keys=AUTOCAST_CUDA)  # CUDA autocast applies (autocast.py)
         r.elem = elem
         return r
 
