@@ -19,6 +19,7 @@ import torch
 from test_run_cli import F32, MLP, SAMPLES, Result, block, flags, load_sample, report, run_python
 
 from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
+from memprof.collect.virtual.workspaces import cublas_workspace_bytes
 
 BF16 = torch.bfloat16.itemsize
 AMP_SIZES = (96, 80, 24, 20)
@@ -249,6 +250,17 @@ def test_the_scripts_own_peak_is_the_reports(runs: dict[str, Future[Any]]) -> No
     assert "predicted for H100 80GB" in result.stderr
 
 
+def test_training_holds_a_cublas_workspace_per_thread(runs: dict[str, Future[Any]]) -> None:
+    # the forward's first matmul and the backward's (autograd's own thread on a card)
+    _, where = finished(runs, "flash")
+    size = cublas_workspace_bytes(parse_spec("H100"))
+    snapshot = run_python(["-c", "import pickle, sys; s = pickle.load(open(sys.argv[1], 'rb'));"
+                           f" print(sum(e['action'] == 'alloc' and e['size'] == {size}"
+                           " for e in s['device_traces'][0]))",
+                           where / "out" / "snapshot.pickle"], where)
+    assert int(snapshot.stdout) == 2
+
+
 def test_a_dumped_snapshot_reads_back_in_explain(runs: dict[str, Future[Any]]) -> None:
     _, where = finished(runs, "autocast")
     explained = run_python(["-m", "memprof", "explain", "--json", "-o", "-",
@@ -267,11 +279,13 @@ def test_torch_cuda_answers_as_the_card(runs: dict[str, Future[Any]]) -> None:
     assert seen == {
         "available": True, "count": 1, "current": 0, "name": card.device_name,
         "total": card.total_bytes, "capability": list(card.capability), "bf16": True,
-        "mem_get_info": [card.usable_bytes - (2 << 20), card.total_bytes],  # one small segment
+        # one small segment, and a 20 MiB one for the cuBLAS workspace of the first matmul
+        "mem_get_info": [card.usable_bytes - (2 << 20) - (20 << 20), card.total_bytes],
         "pinned_on_host": "cpu", "default_is_cuda": True, "linear": ["cuda", [32, 16]],
         "item": 0.0, "tolist": [0.0, 0.0],
         "allocated": block(8 * F32) + block(32 * 16 * F32) + block(32 * F32)
-        + block(3 * 16 * F32) + block(3 * 32 * F32) + block(8 * F32),
+        + block(3 * 16 * F32) + block(3 * 32 * F32) + block(8 * F32)
+        + cublas_workspace_bytes(card),
         "compiled": [[3, 32], True, True]}
     assert result.stderr.count("hold no values") == 1
     assert result.stderr.count("torch.compile ran the model eagerly") == 2

@@ -8,7 +8,9 @@ not fit on the card raises ``torch.OutOfMemoryError`` where the card would.
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 from types import FrameType
 
 import torch
@@ -19,6 +21,7 @@ from memprof.collect.frames import Frame, StackCapture
 from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.tensor import VirtualTensor
+from memprof.collect.virtual.workspaces import CublasWorkspaces, cublas_workspace_bytes
 from memprof.trace.model import AllocatorSettings
 
 _COLLECT = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
@@ -45,6 +48,9 @@ class VirtualRecorder(StorageTracker):
         self.peak_allocated = 0
         self.peak_reserved = 0
         self.ooms = 0
+        self._workspaces = CublasWorkspaces(
+            cublas_workspace_bytes(card, os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        self._held: list[VirtualTensor] = []  # cuBLAS workspaces: never freed
 
     @property
     def allocator(self) -> CachingAllocator:
@@ -71,8 +77,24 @@ class VirtualRecorder(StorageTracker):
 
     def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
         virtual = [t for t in tensors_in(out) if isinstance(t, VirtualTensor)]
-        if virtual:
-            super()._record(virtual, func, args, kwargs)
+        if not virtual:
+            return
+        super()._record(virtual, func, args, kwargs)
+        if func is not None:
+            self._cublas_workspace(str(func))
+
+    def _cublas_workspace(self, op: str) -> None:
+        """A BLAS op's first call on a thread allocates that thread's cuBLAS workspace,
+        after the op's output (``workspaces.py``); autograd's backward runs on a thread
+        of its own on a real card."""
+        backward = torch._C._current_graph_task_id() != -1
+        size = self._workspaces.allocation_for(op, "backward" if backward
+                                               else threading.get_ident())
+        if size:
+            with torch._C.DisableTorchFunction():
+                workspace = VirtualTensor(torch.empty(size, dtype=torch.uint8, device="meta"))
+            self._held.append(workspace)
+            self._record(workspace, None, (), {})
 
     def _op_frame(self) -> FrameType | None:
         frame = sys._getframe(1)
