@@ -63,6 +63,14 @@ batch = data[:1000].to("cuda")
 print(torch.cuda.max_memory_allocated())
 """
 
+HOST_MODEL = """\
+import resource
+import torch
+model = torch.nn.Linear(23000, 23000)  # 2.1 GB of fp32 weights, built on the host
+model.cuda()
+print(torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10)
+"""
+
 AUTOCAST = """\
 import sys
 import torch
@@ -124,6 +132,11 @@ def api(where: Path) -> Result:
 @job
 def default_card(where: Path) -> Result:
     return inline(where, None, "host_data", HOST_DATA)
+
+
+@job
+def host_model(where: Path) -> Result:
+    return inline(where, "H100", "host_model", HOST_MODEL)
 
 
 @job
@@ -296,6 +309,18 @@ def test_host_tensors_are_not_device_memory(runs: dict[str, Future[Any]]) -> Non
     assert int(result.stdout) == block(1000 * F32)
     assert device_of(where)["peak"]["allocated_bytes"] == block(1000 * F32)
     assert f"virtual {DEFAULT_CARD.name}" in result.stderr.splitlines()[0]
+
+
+def test_a_model_built_on_the_host_never_holds_its_weights(runs: dict[str, Future[Any]]
+                                                            ) -> None:
+    result, _ = finished(runs, "host_model")
+    allocated, max_rss = map(int, result.stdout.split())
+    # the weight gets a segment of its own, rounded up to 2 MiB; the remainder (under 1 MiB)
+    # is not split off, so the whole segment is its block
+    weight = -(-block(23000 * 23000 * F32) // (2 << 20)) * (2 << 20)
+    assert weight - block(23000 * 23000 * F32) < 1 << 20
+    assert allocated == weight + block(23000 * F32)
+    assert max_rss < allocated // 2  # the weights never existed in host memory
 
 
 def test_out_of_memory_where_the_card_would(runs: dict[str, Future[Any]]) -> None:

@@ -7,7 +7,8 @@
 
 While entered: the routing mode makes the script's CUDA tensors virtual, the
 ``torch.cuda`` functions answer as the card (memory figures from the allocator model),
-the optimizers take their CUDA paths (foreach by default), and ``torch.compile``
+the optimizers take their CUDA paths (foreach by default), parameters and buffers a
+module registers on the host lose their storage (``HostVirtualTensor``), and ``torch.compile``
 returns the function unchanged, with a notice: compiled code runs eagerly.
 """
 
@@ -17,14 +18,19 @@ import sys
 from typing import Any
 
 import torch
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim.optimizer import _foreach_supported_types
+from torch.utils.hooks import RemovableHandle
 
 from memprof.collect.virtual import autocast
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.cuda_api import HistoryWindow, cuda_api
 from memprof.collect.virtual.recorder import VirtualRecorder
 from memprof.collect.virtual.routing import CudaRouting
-from memprof.collect.virtual.tensor import VirtualTensor
+from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor, virtual_like
 from memprof.trace.model import AllocatorSettings
 
 
@@ -40,6 +46,7 @@ class VirtualGpu:
         self._routing = CudaRouting(card)
         self._saved: dict[tuple[Any, str], Any] = {}
         self._autocast: torch.library.Library | None = None
+        self._hooks: list[RemovableHandle] = []
 
     def __enter__(self) -> VirtualGpu:
         patches = cuda_api(self.card, self.recorder, self.history)
@@ -50,6 +57,8 @@ class VirtualGpu:
             setattr(owner, name, value)
         _foreach_supported_types.append(VirtualTensor)
         VirtualTensor.on_create = self.recorder.adopt
+        self._hooks = [register_module_parameter_registration_hook(_host_parameter),
+                       register_module_buffer_registration_hook(_host_buffer)]
         self._autocast = autocast.install()
         self._routing.__enter__()
         return self
@@ -60,10 +69,28 @@ class VirtualGpu:
             self._autocast._destroy()
         autocast.clear_cache()
         VirtualTensor.on_create = None
+        for hook in self._hooks:
+            hook.remove()
         _foreach_supported_types.remove(VirtualTensor)
         for (owner, name), value in self._saved.items():
             setattr(owner, name, value)
         self._saved.clear()
+
+
+def _host_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None
+                    ) -> torch.nn.Parameter | None:
+    """A parameter made on the host becomes storage-less: a model built on the CPU and then
+    moved to the GPU never holds its weights in host memory."""
+    if type(param) is not torch.nn.Parameter or param.device.type != "cpu":
+        return None
+    return torch.nn.Parameter(virtual_like(param, kind=HostVirtualTensor), param.requires_grad)
+
+
+def _host_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None
+                 ) -> torch.Tensor | None:
+    if type(buffer) is not torch.Tensor or buffer.device.type != "cpu":
+        return None
+    return virtual_like(buffer, kind=HostVirtualTensor)
 
 
 _clear_cpp_autocast_cache = torch.clear_autocast_cache

@@ -70,13 +70,13 @@ class VirtualRecorder(StorageTracker):
 
     def adopt(self, t: VirtualTensor) -> None:
         """Record a virtual tensor made outside an operator (a factory, a host copy)."""
-        if self._announce:
+        if self._announce and type(t) is VirtualTensor:
             print(self._announce, file=sys.stderr)
             self._announce = None
         self._record(t, None, (), {})
 
     def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
-        virtual = [t for t in tensors_in(out) if isinstance(t, VirtualTensor)]
+        virtual = [t for t in tensors_in(out) if type(t) is VirtualTensor]  # not host ones
         if not virtual:
             return
         super()._record(virtual, func, args, kwargs)

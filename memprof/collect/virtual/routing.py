@@ -70,7 +70,7 @@ def _default_device() -> torch.device | None:
 
 
 def _to_cuda(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if isinstance(t, VirtualTensor):
+    if type(t) is VirtualTensor:
         return t if dtype is None or dtype == t.dtype else t.to(dtype)
     return virtual_like(t, dtype)
 
@@ -83,7 +83,7 @@ def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torc
         *parsed, **{k: v for k, v in kwargs.items() if k != "copy"})
     if device is None or device.type != "cuda":
         return func(t, *args, **kwargs)
-    if not isinstance(t, VirtualTensor):
+    if type(t) is not VirtualTensor:
         return virtual_like(t, dtype)
     return func(t, device=_META, dtype=dtype or t.dtype, non_blocking=non_blocking,
                 copy=kwargs.get("copy", False),

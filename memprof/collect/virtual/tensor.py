@@ -4,8 +4,9 @@ A :class:`VirtualTensor` wraps a ``meta`` tensor. To C++ (autograd, dispatch) it
 meta tensor, which every CPU-only build supports; to Python it says ``device cuda:0``
 and ``is_cuda``. Every operator on it runs on the meta tensor inside and wraps the
 result, so outputs, gradients and optimizer state are virtual CUDA tensors too.
-Values do not exist: ``.item()``, ``.tolist()``, printing and copies to the host give
-placeholders (zeros), announced once on stderr.
+Values do not exist: ``.item()``, ``.tolist()``, printing and ``.numpy()`` give
+placeholders (zeros), announced once on stderr. A :class:`HostVirtualTensor` is the
+same on the host side: a copy to the host, or a parameter of a model built on the CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from torch.utils._pytree import tree_map
 from memprof.collect.virtual.autocast import AUTOCAST_CUDA
 
 CUDA = torch.device("cuda", 0)
+_CPU = torch.device("cpu")
+_META = torch.device("meta")
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _TO_COPY = torch.ops.aten._to_copy.default
 _told = False
@@ -31,7 +34,7 @@ def placeholder_notice() -> None:
     if not _told:
         _told = True
         print("memprof: virtual GPU: CUDA tensors hold no values; .item(), .tolist(), printing"
-              " and copies to the host give zeros", file=sys.stderr)
+              " and .numpy() give zeros", file=sys.stderr)
 
 
 def _placeholder(dtype: torch.dtype) -> bool | int | float:
@@ -95,7 +98,8 @@ class VirtualTensor(torch.Tensor):
         return out
 
     def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
-        return host_placeholder(self).numpy()
+        placeholder_notice()
+        return torch.zeros(self.shape, dtype=self.dtype).numpy()
 
     def __bool__(self) -> bool:
         return bool(self.item())
@@ -119,10 +123,39 @@ class VirtualTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func is _LOCAL_SCALAR:
             return _placeholder(args[0].dtype)
-        if func is _TO_COPY and _is_host(kwargs.get("device")):
-            return host_placeholder(args[0], kwargs.get("dtype"))
+        to_host = func is _TO_COPY and _is_host(kwargs.get("device"))
+        if to_host:  # a copy to the host: a host tensor, still without storage
+            kwargs = {**kwargs, "device": _META}
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-        return tree_map(_wrap, out)
+        on_device = not to_host and any(
+            type(t) is VirtualTensor for t in torch.utils._pytree.tree_leaves((args, kwargs)))
+        wrap = VirtualTensor if on_device else HostVirtualTensor
+        return tree_map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
+
+
+class HostVirtualTensor(VirtualTensor):
+    """A host tensor without storage: the parameters of a model built on the CPU under the
+    virtual GPU, and copies of virtual CUDA tensors to the host. Not device memory."""
+
+    @property  # type: ignore[override]
+    def device(self) -> torch.device:
+        return _CPU
+
+    @property  # type: ignore[override]
+    def is_cuda(self) -> bool:
+        return False
+
+    def get_device(self) -> int:
+        return -1
+
+    def __repr__(self, **kwargs: Any) -> str:
+        placeholder_notice()
+        return f"tensor(<virtual>, size={tuple(self.shape)}, dtype={self.dtype})"
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: object, sizes: object, strides: object
+                             ) -> VirtualTensor:
+        return HostVirtualTensor(inner["elem"])
 
 
 def _is_host(device: object) -> bool:
@@ -132,28 +165,23 @@ def _is_host(device: object) -> bool:
 def _unwrap(x: object) -> object:
     if isinstance(x, VirtualTensor):
         return x.elem
-    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() == 0:
-        # a CPU scalar tensor mixes with CUDA tensors, as on a GPU
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        # CPU scalar tensors mix with CUDA tensors, as on a GPU; host tensors with the
+        # storage-less parameters of a model built on the host
         return x.to("meta")
     if isinstance(x, torch.device) and x.type == "cuda":
         return torch.device("meta")
     return x
 
 
-def _wrap(x: object) -> object:
-    if isinstance(x, torch.Tensor) and not isinstance(x, VirtualTensor) and x.is_meta:
-        return VirtualTensor(x)
-    return x
+def _is_plain_meta(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, VirtualTensor) and x.is_meta
 
 
-def host_placeholder(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A real host tensor of ``t``'s shape holding zeros: what a copy to the CPU gives."""
-    placeholder_notice()
-    return torch.zeros(t.shape, dtype=dtype or t.dtype)
-
-
-def virtual_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> VirtualTensor:
-    """A new virtual CUDA tensor with ``t``'s shape and strides (a host-to-device copy)."""
+def virtual_like(t: torch.Tensor, dtype: torch.dtype | None = None,
+                 kind: type[VirtualTensor] = VirtualTensor) -> VirtualTensor:
+    """A new virtual tensor (CUDA, or ``HostVirtualTensor``) with ``t``'s shape and strides:
+    a host-to-device copy."""
     dense = t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
     stride = t.stride() if dense else None
     with torch._C.DisableTorchFunction():
@@ -161,7 +189,7 @@ def virtual_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> VirtualTe
             elem = torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")
         else:
             elem = torch.empty_strided(t.shape, stride, dtype=dtype or t.dtype, device="meta")
-    return adopt(VirtualTensor(elem, requires_grad=False))
+    return adopt(kind(elem, requires_grad=False))
 
 
 def adopt(t: VirtualTensor) -> VirtualTensor:
