@@ -8,7 +8,8 @@
 While entered: the routing mode makes the script's CUDA tensors virtual, the
 ``torch.cuda`` functions answer as the card (memory figures from the allocator model),
 the optimizers take their CUDA paths (foreach by default), parameters and buffers a
-module registers on the host lose their storage (``HostVirtualTensor``), and ``torch.compile``
+module registers on the host lose their storage (``HostVirtualTensor``), ``nn.init``
+fills nothing, and ``torch.compile``
 returns the function unchanged, with a notice: compiled code runs eagerly.
 """
 
@@ -52,6 +53,8 @@ class VirtualGpu:
         patches = cuda_api(self.card, self.recorder, self.history)
         patches[(torch, "compile")] = _eager_compile
         patches[(torch, "clear_autocast_cache")] = _clear_autocast_cache
+        for name in _INITIALIZERS:
+            patches[(torch.nn.init, name)] = _no_init
         for (owner, name), value in patches.items():
             self._saved[(owner, name)] = getattr(owner, name)
             setattr(owner, name, value)
@@ -75,6 +78,17 @@ class VirtualGpu:
         for (owner, name), value in self._saved.items():
             setattr(owner, name, value)
         self._saved.clear()
+
+
+# nn.init's in-place initializers: values do not exist, and filling a model built on the
+# host would cost the time and RAM the virtual GPU saves (a 3B model: minutes, GBs)
+_INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
+                 "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                 "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+def _no_init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def _host_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None
