@@ -56,8 +56,17 @@ class CudaRouting(TorchFunctionMode):
             device = _default_device()  # set_default_device("cuda") adds it below this mode
         if is_cuda_device(device):
             out = func(*args, **{**kwargs, "device": _META})
-            return adopt(VirtualTensor(out)) if isinstance(out, torch.Tensor) else out
+            return _on_device(out) if isinstance(out, torch.Tensor) else out
         return func(*args, **kwargs)
+
+
+def _on_device(out: torch.Tensor) -> torch.Tensor:
+    """A factory's meta result (or the virtual tensor an operator already made) on CUDA."""
+    if type(out) is VirtualTensor:
+        return out
+    if isinstance(out, VirtualTensor):  # made from host-side virtual tensors
+        return adopt(VirtualTensor(out.elem, requires_grad=out.requires_grad))
+    return adopt(VirtualTensor(out))
 
 
 def _default_device() -> torch.device | None:
