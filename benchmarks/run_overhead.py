@@ -24,7 +24,7 @@ def main() -> None:
     run(plain_cmd)  # warm the file cache and torch's first import
     plain = run(plain_cmd, repeat=3)
     with tempfile.TemporaryDirectory() as tmp:
-        profiled = run([sys.executable, "-m", "memprof", "run", "--force", "-o",
+        profiled = run([sys.executable, "-m", "memprof", "run", "--device", "cpu", "--force", "-o",
                         str(Path(tmp) / "run"), str(SAMPLE), *args], repeat=3)
     rows = [
         ["python sample", f"{plain.seconds:.2f}", "1.00"],

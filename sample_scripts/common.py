@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from torch import nn
 
 
@@ -49,7 +48,7 @@ def parse_with_presets(parser: argparse.ArgumentParser, presets: dict[str, dict[
 
 def add_device_and_seed(parser: argparse.ArgumentParser, device_help: str = "torch device",
                         ) -> None:
-    """`--device` (CUDA when there is a GPU, else the CPU) and `--seed`."""
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help=device_help)
+    """`--device` (CUDA, as training scripts are written; `memprof run` gives a machine
+    without a GPU a virtual one) and `--seed`."""
+    parser.add_argument("--device", default="cuda", help=device_help)
     parser.add_argument("--seed", type=int, default=0, help="random seed")

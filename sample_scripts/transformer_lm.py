@@ -22,6 +22,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "real": {"layers": 12, "d_model": 768, "heads": 12, "seq": 1024, "batch": 8,
              "vocab": 50257},
 }
+AMP = {"off": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class CausalSelfAttention(nn.Module):
@@ -89,8 +90,9 @@ def train_step(model: DecoderLM, optimizer: torch.optim.Optimizer, args: argpars
     """One next-token-prediction step on fresh random tokens; returns the loss."""
     tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = model(inputs)
-    loss = F.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
+    with torch.autocast(device.type, dtype=AMP[args.amp], enabled=args.amp != "off"):
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, args.vocab), targets.reshape(-1))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -101,6 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags; the size flags default to the chosen preset's values."""
     parser = preset_parser(__doc__.splitlines()[0], PRESETS)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps")
+    parser.add_argument("--amp", choices=sorted(AMP), default="off",
+                        help="autocast the forward pass to this dtype")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     add_device_and_seed(parser)
     return parse_with_presets(parser, PRESETS, argv)
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> tuple[DecoderLM, torch.optim.Optimize
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    model = build_model(args).to(device)
+    with device:  # parameters made where they live: no host copy of a large model
+        model = build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"decoder LM: {args.layers} layers, d_model {args.d_model}, {args.heads} heads,"
@@ -120,6 +125,8 @@ def main(argv: list[str] | None = None) -> tuple[DecoderLM, torch.optim.Optimize
     for _ in range(args.steps):
         loss = train_step(model, optimizer, args, device)
     print(f"final loss {loss:.4f} after {args.steps} steps")
+    if device.type == "cuda":
+        print(f"max_memory_allocated {torch.cuda.max_memory_allocated()}")
     return model, optimizer
 
 

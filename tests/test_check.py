@@ -22,8 +22,9 @@ from tests.test_run_cli import (
     run_python,
 )
 
-SMALL = {"hidden": 40, "layers": 2, "batch": 8, "steps": 3}
-WIDER = {**SMALL, "hidden": 56}  # the change a pull request makes: a wider model
+# big enough that model state outweighs the virtual H100's 32 MiB cuBLAS workspace
+SMALL = {"hidden": 1024, "layers": 2, "batch": 8, "steps": 3}
+WIDER = {**SMALL, "hidden": 1280}  # the change a pull request makes: a wider model
 
 
 def check(cwd: Path, *args: str | Path) -> Result:

@@ -75,8 +75,8 @@ def test_force_removes_stale_outputs(tmp_path: Path) -> None:
 
 def test_manual_sgd_says_why_there_are_no_steps(tmp_path: Path) -> None:
     (tmp_path / "sgd.py").write_text(
-        "import torch\nm = torch.nn.Linear(8, 8)\nfor i in range(3):\n"
-        "    m(torch.randn(4, 8)).sum().backward()\n    with torch.no_grad():\n"
+        "import torch\nm = torch.nn.Linear(8, 8).cuda()\nfor i in range(3):\n"
+        "    m(torch.randn(4, 8, device='cuda')).sum().backward()\n    with torch.no_grad():\n"
         "        for p in m.parameters():\n            p -= 0.1 * p.grad; p.grad = None\n")
     result = memprof_run(tmp_path, "-o", "sgd", "sgd.py")
     assert result.code == 0, result.stderr

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from memprof.analysis.allocator import Block, CachingAllocator
+from memprof.analysis.allocator import Block, CachingAllocator, Segment
 from memprof.trace.model import AllocatorSettings
 
 Event = dict[str, Any]
@@ -36,40 +36,80 @@ def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
     The trace gets predicted addresses and the growth events the allocator would
     record; event keys other than ``addr`` are kept.
     """
-    alloc = CachingAllocator(settings)
-    blocks: dict[int, Block] = {}
-    stacks: dict[int, list] = {}  # alloc stacks of live blocks, by predicted address
-    out: list[Event] = []
-    position: list[int] = []
+    placer = Placer(CachingAllocator(settings))
     for event in events:
+        placer.add(event)
+    return placer.layout(device)
+
+
+class Placer:
+    """Places events one at a time, so that the allocator's state can be read between them.
+
+    ``add`` raises the allocator's :class:`OutOfMemory` for an allocation that cannot be
+    placed under its limit; the event is then not placed.
+    """
+
+    def __init__(self, alloc: CachingAllocator) -> None:
+        self.alloc = alloc
+        self.trace: list[Event] = []
+        self.position: list[int] = []
+        self._blocks: dict[int, Block] = {}
+        self._stacks: dict[int, list] = {}  # alloc stacks of live blocks, by predicted address
+
+    def add(self, event: Event) -> None:
+        """Place one event of the input trace."""
+        alloc, out = self.alloc, self.trace
         action = event["action"]
-        position.append(-1)
         if action == "alloc":
             reserved = alloc.reserved
-            before = {s.addr: s.total for s in alloc.segments.values()}
-            block = alloc.malloc(event["size"], event.get("stream", 0))
+            before = dict(alloc.segments)
+            totals = {addr: seg.total for addr, seg in before.items()}
+            try:
+                block = alloc.malloc(event["size"], event.get("stream", 0))
+            finally:  # under a limit, cached segments go back to the device first
+                self._released(before, event.get("time_us", 0))
+            self.position.append(len(out))
             if alloc.reserved != reserved:
-                out.extend(_growth(alloc, before, event))
-            blocks[event["addr"]] = block
-            stacks[block.addr] = event.get("frames", [])
-            position[-1] = len(out)
+                out.extend(_growth(alloc, totals, event))
+                self.position[-1] = len(out)
+            self._blocks[event["addr"]] = block
+            self._stacks[block.addr] = event.get("frames", [])
             out.append({**event, "addr": block.addr})
         elif action in ("free_requested", "free_completed"):
-            block = blocks.get(event["addr"])
+            block = self._blocks.get(event["addr"])
             if block is None:
-                continue
-            position[-1] = len(out)
+                self.position.append(-1)
+                return
+            self.position.append(len(out))
             out.append({**event, "addr": block.addr})  # before a merge moves the block
             if action == "free_completed":
-                del blocks[event["addr"]]
-                stacks.pop(block.addr, None)
+                del self._blocks[event["addr"]]
+                self._stacks.pop(block.addr, None)
                 alloc.free(block)
             elif block.allocated:
                 alloc.release_stats(block)
         else:
-            position[-1] = len(out)
+            self.position.append(len(out))
             out.append(event)
-    return Layout(out, snapshot_segments(alloc, device, stacks), position)
+
+    def release_cached(self, time_us: int) -> None:
+        """``empty_cache()``: return cached segments to the device, with their trace events."""
+        before = dict(self.alloc.segments)
+        self.alloc.release_cached()
+        self._released(before, time_us)
+
+    def _released(self, before: dict[int, Segment], time_us: int) -> None:
+        """Trace the segments of ``before`` that the allocator has given back since."""
+        for addr, seg in before.items():
+            if addr not in self.alloc.segments:
+                action = "segment_unmap" if seg.expandable else "segment_free"
+                self.trace.append({"action": action, "addr": addr, "size": seg.total,
+                                   "stream": seg.stream, "time_us": time_us, "frames": []})
+
+    def layout(self, device: int = 0) -> Layout:
+        """The trace so far and the allocator's segments now."""
+        return Layout(list(self.trace), snapshot_segments(self.alloc, device, self._stacks),
+                      list(self.position))
 
 
 def _growth(alloc: CachingAllocator, before: dict[int, int], event: Event) -> list[Event]:

@@ -17,6 +17,7 @@ from memprof.errors import MemprofError
 if TYPE_CHECKING:
     from memprof.analysis.findings import Findings
     from memprof.collect.session import Recording
+    from memprof.collect.virtual.cards import Card
 
 NO_STEPS = ("the script never called optimizer.step() (manual parameter updates?), so the"
             " run has no steps to compare")
@@ -42,6 +43,11 @@ def run(
     max_entries: Annotated[int, typer.Option(
         "--max-entries", min=1000, help="CUDA: events the allocator history keeps (a ring"
         " buffer).")] = 1_000_000,
+    virtual_gpu: Annotated[str | None, typer.Option(
+        "--virtual-gpu", metavar="SPEC", help="Run on a virtual GPU: a card (H100, 'A100 40GB',"
+        " 'RTX 4090', V100, T4, ...) or a size such as 24GiB. CUDA tensors get real shapes but"
+        " no storage or compute; memory is predicted for the card. Default without a GPU:"
+        " H100 80GB.", show_default=False)] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Allocation sites to list.")] = 10,
     profile: Annotated[bool, typer.Option(
         "--profile", help="Also run torch.profiler over optimizer steps 2-3 and write its"
@@ -90,12 +96,15 @@ def run(
     use_cuda = device == "cuda" or (device == "auto" and cuda.available())
     if device == "cuda" and not cuda.available():
         raise MemprofError("--device cuda: no CUDA device is available here")
+    card = virtual_card(virtual_gpu, device == "auto" and not use_cuda)
+    if card is not None:
+        use_cuda = False
     conf = alloc_conf if alloc_conf is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     try:
         settings = parse_alloc_conf(conf)
     except ValueError as exc:
         raise MemprofError(f"allocator settings {conf!r}: {exc}") from None
-    problems = unmodelled(settings, capped=False)
+    problems = unmodelled(settings, capped=card is not None)
     if problems and not use_cuda:
         raise MemprofError(f"allocator settings {conf!r} for the prediction:"
                            f" {'; '.join(problems)}")
@@ -107,8 +116,17 @@ def run(
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     profile_path = folder / names["profile"] if profile else None
     parent = os.getpid()
-    recording = session.record(target, use_cuda, max_entries, settings, profile_path,
-                               steps, seconds)
+    if card is not None:
+        from memprof.collect.virtual.session import record_virtual
+
+        announce = None if virtual_gpu else (
+            f"memprof: no GPU here: CUDA runs on a virtual {card.name} (--virtual-gpu SPEC for"
+            " another card, --device cpu to record host tensors instead)")
+        recording = record_virtual(target, card, settings, profile_path, announce, steps,
+                                   seconds)
+    else:
+        recording = session.record(target, use_cuda, max_entries, settings, profile_path,
+                                   steps, seconds)
     if os.getpid() != parent:  # a child the script forked ran out its copy of the script
         raise typer.Exit(recording.outcome.exit_code)
     with finishing():
@@ -164,6 +182,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         "rank": rank,
         "world_size": world,
         "cuda": recording.facts or None,
+        **({"virtual_gpu": recording.virtual_gpu} if recording.virtual_gpu else {}),
     }
     write_snapshot(recording.snapshot, folder / names["snapshot"])
     if recording.oom_snapshot is not None:
@@ -176,6 +195,10 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
                 render_run(d, facts, notes)
             if facts["no_steps_reason"]:
                 notes.print(f"No step section: {NO_STEPS}.")
+    elif rank == 0 and recording.virtual_gpu:
+        notes.print(plain(f"memprof: the script made no CUDA tensor, so the virtual"
+                          f" {recording.virtual_gpu['spec']} held nothing; --device cpu"
+                          " profiles its host tensors instead"))
     if rank == 0:
         files = ", ".join(sorted(p.name for p in folder.iterdir() if p.name[0] != "."))
         notes.print()
@@ -204,3 +227,15 @@ def _gate(findings: Findings, limit: int | None, exit_code: int, notes: Console)
     notes.print(f"memprof: peak reserved {format_bytes(peak)} exceeds --max-peak"
                 f" {format_bytes(limit)}", markup=False, highlight=False)
     return exit_code or 1
+
+
+def virtual_card(spec: str | None, by_default: bool) -> Card | None:
+    """The card of ``--virtual-gpu SPEC``, the default card where there is no GPU, or None."""
+    from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
+
+    if spec is None:
+        return DEFAULT_CARD if by_default else None
+    try:
+        return parse_spec(spec)
+    except ValueError as exc:
+        raise MemprofError(f"--virtual-gpu {spec!r}: {exc}") from None

@@ -27,8 +27,8 @@ class CpuRecorder:
     Records the thread that starts it; single use: start once, stop once.
     """
 
-    def __init__(self) -> None:
-        self._tracker = StorageTracker()
+    def __init__(self, tracker: StorageTracker | None = None) -> None:
+        self._tracker = tracker or StorageTracker()
         self._hooks = LabelHooks(self._tracker)
         self._labels: list[list[Any]] | None = None
         self._started = False

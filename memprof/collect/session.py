@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memprof.analysis.layout import lay_out
+from memprof.analysis.layout import Layout, lay_out
 from memprof.collect import cuda
 from memprof.collect.cpu_recorder import CpuRecorder
 from memprof.collect.endings import stops
@@ -28,6 +28,7 @@ class Recording:
     seconds: float
     facts: dict[str, Any] = field(default_factory=dict)
     oom_snapshot: dict[str, Any] | None = None
+    virtual_gpu: dict[str, Any] | None = None  # the card a virtual-GPU run predicted for
 
 
 def record(target: Target, use_cuda: bool, max_entries: int, settings: AllocatorSettings,
@@ -69,16 +70,18 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
                      "cpu (CUDA memory predicted)", True, seconds)
 
 
-def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings) -> dict[str, Any]:
-    """Place a GPU-less recording in CUDA memory as the caching allocator would."""
-    layout = lay_out(snapshot["device_traces"][0], settings)
+def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
+                        layout: Layout | None = None) -> dict[str, Any]:
+    """Place a GPU-less recording in CUDA memory as the caching allocator would
+    (or as ``layout``, placed while it ran, already has)."""
+    layout = layout or lay_out(snapshot["device_traces"][0], settings)
     meta = snapshot["memprof"]
     at = layout.position
     return {
         **snapshot,
         "segments": layout.segments,
         "device_traces": [layout.trace],
-        "allocator_settings": _settings_dict(settings),
+        "allocator_settings": settings_dict(settings),
         "memprof": {
             **meta,
             "labels": [[at[i], category] for i, category in meta["labels"]],
@@ -88,7 +91,7 @@ def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings) -
     }
 
 
-def _settings_dict(settings: AllocatorSettings) -> dict[str, Any]:
+def settings_dict(settings: AllocatorSettings) -> dict[str, Any]:
     """``allocator_settings`` as PyTorch writes it in a snapshot."""
     divisions = settings.roundup_power2_divisions or (0,) * 16
     return {

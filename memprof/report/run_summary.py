@@ -31,7 +31,12 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
         ("memprof run ", "bold"), visible(" ".join(run["command"][2:])),
         f": {how[ended['status']]},"
         f" exit code {ended['code']}, {run['duration_s']:.1f} s on {run['device']}"))
-    if run["predicted"]:
+    virtual = run.get("virtual_gpu")
+    if virtual:
+        console.print(Text(f"Predicted for {virtual['spec']}: the script ran on a virtual GPU"
+                           " (CUDA tensors without storage or compute) and memprof's model of"
+                           " the CUDA caching allocator laid its memory out.", "dim"))
+    elif run["predicted"]:
         console.print(Text("No GPU here: tensors were recorded on the CPU and laid out by"
                            " memprof's model of the CUDA caching allocator; reserved memory is"
                            " its prediction.", "dim"))
@@ -62,12 +67,19 @@ def breakdown(d: DeviceFindings, run: dict[str, Any]) -> Table:
     cached = d.reserved_at_peak_bytes - d.peak_allocated_bytes
     t.add_row("cached by the allocator (reserved, unallocated)", fb(cached),
               f"{100 * cached / total:.1f}%")
-    suffix = ", predicted" if run["predicted"] else ""
+    virtual = run.get("virtual_gpu")
+    suffix = f", predicted for {virtual['spec']}" if virtual else \
+        ", predicted" if run["predicted"] else ""
     t.add_row(Text(f"reserved at the peak{suffix}", "bold"), fb(d.reserved_at_peak_bytes), "",
               end_section=True)
     context = (run.get("cuda") or {}).get("context_bytes")
-    t.add_row("CUDA context and other non-PyTorch memory",
-              fb(context) if context is not None else "not measured (no GPU)", "")
+    if virtual:
+        t.add_row("CUDA context and other non-PyTorch memory",
+                  fb(virtual["context_bytes"]) + ("" if virtual["context_measured"] else
+                                                  " (assumed)"), "")
+    else:
+        t.add_row("CUDA context and other non-PyTorch memory",
+                  fb(context) if context is not None else "not measured (no GPU)", "")
     if d.peak_reserved_bytes != d.reserved_at_peak_bytes:
         t.add_row("peak reserved over the run (max_memory_reserved)", fb(d.peak_reserved_bytes), "")
     return t

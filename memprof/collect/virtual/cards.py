@@ -1,10 +1,11 @@
 """The cards a virtual GPU can be: memory as the CUDA driver reports it, capability, context.
 
 ``total_bytes`` is what ``torch.cuda.get_device_properties(0).total_memory`` (the
-driver's ``cudaMemGetInfo`` total) reports on that card, which is less than the
-marketing size and less than nvidia-smi's total. It moves by a few MiB between driver
-versions; the sources are given per card. ``_CudaDeviceProperties`` prints it in whole
-MiB (truncated), OOM messages in GiB with two decimals.
+driver's ``totalGlobalMem``, deviceQuery's "Total amount of global memory") reports on
+that card: less than the marketing size and less than nvidia-smi's total. It moves by
+tens of MiB between driver versions; the sources are given per card (exact bytes from
+deviceQuery where found; ``_CudaDeviceProperties`` prints whole MiB, OOM messages GiB
+with two decimals).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ _MIB = 1 << 20
 # PyTorch process holds outside the caching allocator. No ground-truth run recorded
 # nvidia-smi, so no card has a measured figure yet: this is the assumption, inside the
 # 300-600 MiB that PyTorch processes with lazy module loading (CUDA 11.7+, the default
-# since PyTorch 1.13) show beside memory_reserved() in nvidia-smi.
+# since PyTorch 1.13) show beside memory_reserved() in nvidia-smi. The one fixture that
+# tells (Constructor-Sun's OOM on device 1: 78.42 GiB reserved + 91.25 MiB free, an 80 GB
+# non-Hopper card by its cuBLAS workspace) leaves about 0.75 GiB on an A100 80GB, but
+# that process also held nn.DataParallel's NCCL state: not a clean measurement.
 CONTEXT_ASSUMED_BYTES = 512 * _MIB
 
 
@@ -43,34 +47,35 @@ class Card:
 
 
 CARDS: tuple[Card, ...] = (
-    # _CudaDeviceProperties total_memory=81089MB (torch 2.7, CUDA 12.8); also seen
-    # 81082MB (torch 2.0.1+cu118), 81090MB, and "total capacity of 79.11 GiB" in a
-    # 2025 vLLM OOM message (vllm-project/vllm#27508).
-    Card("H100 80GB", "NVIDIA H100 80GB HBM3", 81089 * _MIB, (9, 0), 132),
+    # deviceQuery "81090 MBytes (85028896768 bytes)" (driver 12.8), the same 81090MB that
+    # torch's _CudaDeviceProperties prints; other drivers: 81079-81106 MiB, and "total
+    # capacity of 79.11 GiB" in a 2025 vLLM OOM message (vllm-project/vllm#27508).
+    Card("H100 80GB", "NVIDIA H100 80GB HBM3", 85028896768, (9, 0), 132),
     # gpu_total_bytes=99456909312 logged by torch 2.5.1+cu124 on an "NVIDIA H100 NVL";
-    # an OOM on a RunPod H100 NVL says "total capacity of 93.00 GiB" (ali-vilab/VACE#56).
+    # a RunPod H100 NVL's OOM says "total capacity of 93.00 GiB" (ali-vilab/VACE#56).
     Card("H100 NVL 94GB", "NVIDIA H100 NVL", 99456909312, (9, 0), 132),
-    # "79.25 GiB total capacity" in an A100 80GB OOM message (levihsu/OOTDiffusion#235).
-    Card("A100 80GB", "NVIDIA A100-SXM4-80GB", 81152 * _MIB, (8, 0), 108),
+    # deviceQuery "81158 MBytes (85100068864 bytes)" (driver 12.5); 81051 MiB on 12.3,
+    # and "79.25 GiB total capacity" in an OOM message (levihsu/OOTDiffusion#235).
+    Card("A100 80GB", "NVIDIA A100-SXM4-80GB", 85100068864, (8, 0), 108),
     # total_memory=40536MB for an A100-SXM4-40GB (the PCIe card reports 40326MB).
     Card("A100 40GB", "NVIDIA A100-SXM4-40GB", 40536 * _MIB, (8, 0), 108),
-    # total_memory=45589MB, multi_processor_count=142.
-    Card("L40S", "NVIDIA L40S", 45589 * _MIB, (8, 9), 142),
-    # "total capacty of 21.99 GiB" on a Lambda A10 (zai-org/CogVLM#236, torch 2.0.1);
-    # AWS's A10G reports total_memory=22587MB.
-    Card("A10 24GB", "NVIDIA A10", 22517 * _MIB, (8, 6), 72),
-    # No driver total found: nvidia-smi's 23034 MiB less the 470 MiB the driver keeps
-    # back on an H100 (nvidia-smi 81559 MiB, torch 81089 MiB). An assumption.
-    Card("L4", "NVIDIA L4", 22564 * _MIB, (8, 9), 58),
-    # total_memory=24563MB, multi_processor_count=128.
-    Card("RTX 4090", "NVIDIA GeForce RTX 4090", 24563 * _MIB, (8, 9), 128),
-    # total_memory=24268MB, multi_processor_count=82 (Hugging Face docs, many logs).
-    Card("RTX 3090", "NVIDIA GeForce RTX 3090", 24268 * _MIB, (8, 6), 82),
-    # Tesla V100-SXM2-16GB total_memory=16160MB (many YOLO logs; "15.78 GiB total").
-    Card("V100 16GB", "Tesla V100-SXM2-16GB", 16160 * _MIB, (7, 0), 80),
-    # Tesla T4 total_memory=15109MB on Colab ("14.75 GiB total capacity"); 15079-15102MB
-    # elsewhere.
-    Card("T4", "Tesla T4", 15109 * _MIB, (7, 5), 40),
+    # deviceQuery "45373 MBytes (47576711168 bytes)" (driver 12.4); 45589MB elsewhere.
+    Card("L40S", "NVIDIA L40S", 47576711168, (8, 9), 142),
+    # deviceQuery "22516 MBytes (23609475072 bytes)" (driver 12.2), the "total capacty of
+    # 21.99 GiB" of a Lambda A10 OOM (zai-org/CogVLM#236); 22599 MiB on driver 12.8.
+    Card("A10 24GB", "NVIDIA A10", 23609475072, (8, 6), 72),
+    # deviceQuery "22518 MBytes (23612293120 bytes)" (driver 12.0).
+    Card("L4", "NVIDIA L4", 23612293120, (8, 9), 58),
+    # deviceQuery "24564 MBytes (25756696576 bytes)" (Linux, driver 12.1); torch prints
+    # 24563MB; Windows/WSL drivers keep more back (23028-24081 MiB).
+    Card("RTX 4090", "NVIDIA GeForce RTX 4090", 25756696576, (8, 9), 128),
+    # deviceQuery "24268 MBytes (25447170048 bytes)" (driver 11.8), torch's 24268MB.
+    Card("RTX 3090", "NVIDIA GeForce RTX 3090", 25447170048, (8, 6), 82),
+    # deviceQuery "16160 MBytes (16945512448 bytes)", torch's 16160MB ("15.78 GiB").
+    Card("V100 16GB", "Tesla V100-SXM2-16GB", 16945512448, (7, 0), 80),
+    # deviceQuery "15110 MBytes (15843721216 bytes)"; torch 15109MB on Colab
+    # ("14.75 GiB total capacity"), 15079-15102MB elsewhere.
+    Card("T4", "Tesla T4", 15843721216, (7, 5), 40),
 )
 
 DEFAULT_CARD = CARDS[0]

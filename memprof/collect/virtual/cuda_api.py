@@ -1,0 +1,204 @@
+"""``torch.cuda`` answering as the virtual card, memory figures from the allocator model.
+
+:func:`cuda_api` returns the replacements, by (module, attribute), that
+:class:`~memprof.collect.virtual.gpu.VirtualGpu` installs for the run and restores after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.cuda.memory
+import torch.cuda.nvtx
+
+from memprof.collect.virtual.cards import Card
+from memprof.collect.virtual.recorder import VirtualRecorder
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What ``torch.cuda.get_device_properties`` reports for the card."""
+
+    name: str
+    major: int
+    minor: int
+    total_memory: int
+    multi_processor_count: int
+    is_integrated: bool = False
+    is_multi_gpu_board: bool = False
+    warp_size: int = 32
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major},"
+                f" minor={self.minor}, total_memory={self.total_memory >> 20}MB,"
+                f" multi_processor_count={self.multi_processor_count})")
+
+
+class Stream:
+    """A CUDA stream that orders nothing: there is no compute to order."""
+
+    def __init__(self, device: object = None, priority: int = 0, **kwargs: object) -> None:
+        self.device = torch.device("cuda", 0)
+        self.priority = priority
+        self.stream_id = 0
+        self.cuda_stream = 0
+
+    def synchronize(self) -> None: ...
+    def wait_stream(self, stream: object) -> None: ...
+    def wait_event(self, event: object) -> None: ...
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event: Event | None = None) -> Event:
+        return event or Event()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class Event:
+    """A CUDA event; ``elapsed_time`` is 0 (no kernels run)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: object = None) -> None: ...
+    def wait(self, stream: object = None) -> None: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: Event) -> float:
+        return 0.0
+
+
+def _nothing(*args: object, **kwargs: object) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def _nvtx_range(*args: object, **kwargs: object) -> Iterator[None]:
+    yield
+
+
+def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
+             ) -> dict[tuple[Any, str], Callable[..., Any] | type]:
+    """The ``torch.cuda`` replacements for a run on ``card``."""
+    alloc = recorder.allocator
+    props = DeviceProperties(card.device_name, *card.capability, card.total_bytes, card.sm_count)
+    stream = Stream()
+
+    def stats(device: object = None) -> dict[str, int]:
+        current = {"allocated_bytes": alloc.allocated, "reserved_bytes": alloc.reserved,
+                   "active_bytes": alloc.allocated, "requested_bytes": alloc.requested}
+        peak = {"allocated_bytes": recorder.peak_allocated,
+                "reserved_bytes": recorder.peak_reserved,
+                "active_bytes": recorder.peak_allocated, "requested_bytes": alloc.requested}
+        out: dict[str, int] = OrderedDict()
+        for key in sorted(current):
+            for pool in ("all", "large_pool", "small_pool"):
+                out[f"{key}.{pool}.current"] = current[key] if pool == "all" else 0
+                out[f"{key}.{pool}.peak"] = peak[key] if pool == "all" else 0
+        out["segment.all.current"] = len(alloc.segments)
+        out["num_ooms"] = recorder.ooms
+        out["num_alloc_retries"] = 0
+        return out
+
+    def empty_cache() -> None:
+        recorder.placer.release_cached(recorder._now_us())
+
+    def mem_get_info(device: object = None) -> tuple[int, int]:
+        return card.usable_bytes - alloc.reserved, card.total_bytes
+
+    def reset_peaks(device: object = None) -> None:
+        recorder.reset_peaks()
+
+    cuda, memory, nvtx = torch.cuda, torch.cuda.memory, torch.cuda.nvtx
+    answers: dict[str, Callable[..., Any] | type] = {
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": _nothing,
+        "is_initialized": lambda: True,
+        "_lazy_init": _nothing,
+        "init": _nothing,
+        "get_device_name": lambda device=None: card.device_name,
+        "get_device_properties": lambda device=None: props,
+        "get_device_capability": lambda device=None: card.capability,
+        "get_arch_list": lambda: [f"sm_{card.capability[0]}{card.capability[1]}"],
+        # before compute capability 8.0, bf16 is emulated, which the default allows
+        "is_bf16_supported": lambda including_emulation=True: (including_emulation
+                                                               or card.capability >= (8, 0)),
+        "synchronize": _nothing,
+        "Event": Event,
+        "Stream": Stream,
+        "current_stream": lambda device=None: stream,
+        "default_stream": lambda device=None: stream,
+        "set_stream": _nothing,
+        "stream": lambda s=None: contextlib.nullcontext(),
+        "memory_allocated": lambda device=None: alloc.allocated,
+        "max_memory_allocated": lambda device=None: recorder.peak_allocated,
+        "memory_reserved": lambda device=None: alloc.reserved,
+        "max_memory_reserved": lambda device=None: recorder.peak_reserved,
+        "memory_cached": lambda device=None: alloc.reserved,
+        "max_memory_cached": lambda device=None: recorder.peak_reserved,
+        "reset_peak_memory_stats": reset_peaks,
+        "reset_max_memory_allocated": reset_peaks,
+        "reset_max_memory_cached": reset_peaks,
+        "reset_accumulated_memory_stats": _nothing,
+        "memory_stats": stats,
+        "empty_cache": empty_cache,
+        "mem_get_info": mem_get_info,
+        "set_per_process_memory_fraction": lambda f, device=None: recorder.set_fraction(f),
+        "memory_snapshot": lambda *a, **k: history.snapshot()["segments"],
+    }
+    patches: dict[tuple[Any, str], Callable[..., Any] | type] = {}
+    for name, value in answers.items():
+        for module in (cuda, memory):
+            if hasattr(module, name):
+                patches[(module, name)] = value
+    patches[(memory, "_record_memory_history")] = history.record
+    patches[(memory, "_snapshot")] = lambda device=None, *a, **k: history.snapshot()
+    patches[(memory, "_dump_snapshot")] = history.dump
+    patches[(nvtx, "range_push")] = _nothing
+    patches[(nvtx, "range_pop")] = _nothing
+    patches[(nvtx, "mark")] = _nothing
+    patches[(nvtx, "range")] = _nvtx_range
+    return patches
+
+
+class HistoryWindow:
+    """``_record_memory_history``: which part of the predicted trace a snapshot shows."""
+
+    def __init__(self, recorder: VirtualRecorder, settings: dict[str, Any]) -> None:
+        self._recorder = recorder
+        self._settings = settings
+        self._start: int | None = None
+        self._end: int | None = None
+
+    def record(self, enabled: object = "all", *args: object, **kwargs: object) -> None:
+        trace = self._recorder.placer.trace
+        if enabled in (None, False):
+            self._end = len(trace) if self._start is not None else None
+        else:
+            self._start, self._end = len(trace), None
+
+    def snapshot(self) -> dict[str, Any]:
+        """The predicted snapshot as ``torch.cuda.memory._snapshot()`` returns it."""
+        layout = self._recorder.placer.layout()
+        trace = [] if self._start is None else layout.trace[self._start:self._end]
+        return {"segments": layout.segments, "device_traces": [trace],
+                "allocator_settings": self._settings, "external_annotations": []}
+
+    def dump(self, filename: str = "dump_snapshot.pickle") -> None:
+        with open(filename, "wb") as f:
+            pickle.dump(self.snapshot(), f)

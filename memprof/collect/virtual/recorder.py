@@ -1,0 +1,163 @@
+"""The virtual GPU's recorder: CUDA storages only, placed live by the allocator model.
+
+A :class:`StorageTracker` that records the storages of virtual CUDA tensors (host
+tensors are not device memory) and places every event in the caching-allocator
+simulator as it happens, so the memory API answers live and an allocation that would
+not fit on the card raises ``torch.OutOfMemoryError`` where the card would.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import FrameType
+
+import torch
+
+from memprof.analysis.allocator import CachingAllocator, OutOfMemory
+from memprof.analysis.layout import Placer
+from memprof.collect.frames import Frame, StackCapture
+from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
+from memprof.collect.virtual.cards import Card
+from memprof.collect.virtual.tensor import VirtualTensor
+from memprof.collect.virtual.workspaces import CublasWorkspaces, cublas_workspace_bytes
+from memprof.trace.model import AllocatorSettings
+
+_COLLECT = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
+
+
+class _UserStacks(StackCapture):
+    """Stacks without memprof's own frames (the routing mode sits between user and torch)."""
+
+    def _build(self, frame: FrameType | None) -> list[Frame]:
+        return [f for f in super()._build(frame) if not str(f["filename"]).startswith(_COLLECT)]
+
+
+class VirtualRecorder(StorageTracker):
+    """Records virtual CUDA storages and keeps the predicted allocator state current."""
+
+    def __init__(self, card: Card, settings: AllocatorSettings, announce: str | None = None
+                 ) -> None:
+        super().__init__()
+        self._announce = announce  # said when the first CUDA tensor is made
+        self._stacks = _UserStacks()
+        self.card = card
+        self.placer = Placer(CachingAllocator(settings, limit=card.usable_bytes))
+        self.allowed: int | None = None  # set_per_process_memory_fraction's cap
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self.ooms = 0
+        self._workspaces = CublasWorkspaces(
+            cublas_workspace_bytes(card, os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        self._held: list[VirtualTensor] = []  # cuBLAS workspaces: never freed
+
+    @property
+    def allocator(self) -> CachingAllocator:
+        return self.placer.alloc
+
+    def set_fraction(self, fraction: float) -> None:
+        """``set_per_process_memory_fraction``: cap reserved memory at a share of the card."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        self.allowed = int(fraction * self.card.total_bytes)
+        self.allocator.limit = min(self.card.usable_bytes, self.allowed)
+
+    def reset_peaks(self) -> None:
+        """``reset_peak_memory_stats()``: peaks restart from what is held now."""
+        self.peak_allocated = self.allocator.allocated
+        self.peak_reserved = self.allocator.reserved
+
+    def adopt(self, t: VirtualTensor) -> None:
+        """Record a virtual tensor made outside an operator (a factory, a host copy)."""
+        if self._announce and type(t) is VirtualTensor:
+            print(self._announce, file=sys.stderr)
+            self._announce = None
+        self._record(t, None, (), {})
+
+    def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
+        virtual = [t for t in tensors_in(out) if type(t) is VirtualTensor]  # not host ones
+        if not virtual:
+            return
+        super()._record(virtual, func, args, kwargs)
+        if func is not None:
+            self._cublas_workspace(str(func))
+
+    def _cublas_workspace(self, op: str) -> None:
+        """A BLAS op's first call on a thread allocates that thread's cuBLAS workspace,
+        after the op's output (``workspaces.py``); autograd's backward runs on a thread
+        of its own on a real card."""
+        backward = torch._C._current_graph_task_id() != -1
+        size = self._workspaces.allocation_for(op, "backward" if backward
+                                               else threading.get_ident())
+        if size:
+            with torch._C.DisableTorchFunction():
+                workspace = VirtualTensor(torch.empty(size, dtype=torch.uint8, device="meta"))
+            self._held.append(workspace)
+            self._record(workspace, None, (), {})
+
+    def _op_frame(self) -> FrameType | None:
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename.startswith(_COLLECT)
+                                     or id(frame.f_code) in self._wrappers):
+            frame = frame.f_back
+        return frame
+
+    def _alloc(self, st: torch.UntypedStorage, key: int, frame: FrameType | None) -> None:
+        super()._alloc(st, key, frame)
+        event = self.events[-1]
+        try:
+            self.placer.add(event)
+        except OutOfMemory as oom:
+            self.events.pop()
+            del self._live[key]
+            self._addrs.discard(event["addr"])
+            error = self._oom(oom, event)
+        else:
+            error = None
+        if error is not None:
+            raise error  # outside the handler: the script sees PyTorch's error alone
+        alloc = self.allocator
+        self.peak_allocated = max(self.peak_allocated, alloc.allocated)
+        self.peak_reserved = max(self.peak_reserved, alloc.reserved)
+
+    def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
+        super()._free(ref, frame)
+        self.placer.add(self.events[-2])
+        self.placer.add(self.events[-1])
+
+    def _oom(self, oom: OutOfMemory, event: dict) -> torch.OutOfMemoryError:
+        self.ooms += 1
+        free = max(0, self.card.usable_bytes - oom.reserved)  # cudaMemGetInfo's free
+        record = {"action": "oom", "addr": 0, "size": oom.device_alloc, "stream": 0,
+                  "device_free": free, "time_us": event["time_us"], "frames": event["frames"]}
+        self.events.append(record)
+        self.placer.add(record)
+        return torch.OutOfMemoryError(oom_message(self.card, oom, free, self.allowed))
+
+
+def format_size(size: int) -> str:
+    """Bytes as c10's ``format_size`` writes them in an OOM message."""
+    if size <= 1024:
+        return f"{size} bytes"
+    if size <= 1 << 20:
+        return f"{size / 1024:.2f} KiB"
+    if size <= 1 << 30:
+        return f"{size / (1 << 20):.2f} MiB"
+    return f"{size / (1 << 30):.2f} GiB"
+
+
+def oom_message(card: Card, oom: OutOfMemory, free: int, allowed: int | None = None) -> str:
+    """The message ``CUDACachingAllocator.cpp`` raises, for the card's numbers."""
+    in_use = card.total_bytes - free
+    cap = "" if allowed is None else f"{format_size(allowed)} allowed; "
+    return (f"CUDA out of memory. Tried to allocate {format_size(oom.device_alloc)}. GPU 0 has a"
+            f" total capacity of {format_size(card.total_bytes)} of which {format_size(free)}"
+            f" is free. Including non-PyTorch memory, this process has {format_size(in_use)}"
+            f" memory in use. {cap}Of the allocated memory {format_size(oom.allocated)} is"
+            f" allocated by PyTorch, and {format_size(oom.reserved - oom.allocated)} is reserved by"
+            " PyTorch but unallocated. If reserved but unallocated memory is large try setting"
+            " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See"
+            " documentation for Memory Management "
+            " (https://docs.pytorch.org/docs/stable/notes/cuda.html"
+            "#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)")

@@ -1,0 +1,99 @@
+"""Where tensors go under the virtual GPU: a torch-function mode that makes CUDA virtual.
+
+Factories asked for a CUDA device (``device="cuda"``, ``set_default_device("cuda")``,
+``nn.Linear(..., device="cuda")``), ``.cuda()`` and ``.to("cuda")`` give virtual CUDA
+tensors; host tensors stay real. ``pin_memory()`` keeps the host tensor (there is no
+accelerator to pin for), ``scaled_dot_product_attention`` runs the card's kernel (``attention.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._device import DeviceContext, _device_constructors
+
+from memprof.collect.virtual.attention import sdpa
+from memprof.collect.virtual.cards import Card
+from memprof.collect.virtual.tensor import VirtualTensor, adopt, virtual_like
+
+_META = torch.device("meta")
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_FACTORIES = _device_constructors()
+
+
+def is_cuda_device(device: object) -> bool:
+    """Whether a ``device`` argument names CUDA (``"cuda"``, ``"cuda:0"``, a device, an int)."""
+    if device is None or isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).type == "cuda"
+    return False
+
+
+class CudaRouting(TorchFunctionMode):
+    """Turns the script's CUDA requests into virtual CUDA tensors for ``card``."""
+
+    def __init__(self, card: Card) -> None:
+        super().__init__()
+        self.card = card
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return _to_cuda(args[0], None)
+        if func is torch.Tensor.to:
+            return _to(args[0], args[1:], kwargs, func)
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is _SDPA:
+            return sdpa(self.card, *args, **kwargs)
+        device = kwargs.get("device")
+        if device is None and func in _FACTORIES:
+            device = _default_device()  # set_default_device("cuda") adds it below this mode
+        if is_cuda_device(device):
+            out = func(*args, **{**kwargs, "device": _META})
+            return _on_device(out) if isinstance(out, torch.Tensor) else out
+        return func(*args, **kwargs)
+
+
+def _on_device(out: torch.Tensor) -> torch.Tensor:
+    """A factory's meta result (or the virtual tensor an operator already made) on CUDA."""
+    if type(out) is VirtualTensor:
+        return out
+    if isinstance(out, VirtualTensor):  # made from host-side virtual tensors
+        return adopt(VirtualTensor(out.elem, requires_grad=out.requires_grad))
+    return adopt(VirtualTensor(out))
+
+
+def _default_device() -> torch.device | None:
+    """``torch.set_default_device``'s device (``get_default_device`` would make a tensor)."""
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    return context.device if context is not None else None
+
+
+def _to_cuda(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if type(t) is VirtualTensor:
+        return t if dtype is None or dtype == t.dtype else t.to(dtype)
+    return virtual_like(t, dtype)
+
+
+def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torch.Tensor:
+    parsed = args
+    if args and isinstance(args[0], torch.Tensor):  # to(other): other's device and dtype
+        parsed = (args[0].device, args[0].dtype, *args[1:])
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(
+        *parsed, **{k: v for k, v in kwargs.items() if k != "copy"})
+    if device is None or device.type != "cuda":
+        return func(t, *args, **kwargs)
+    if type(t) is not VirtualTensor:
+        return virtual_like(t, dtype)
+    return func(t, device=_META, dtype=dtype or t.dtype, non_blocking=non_blocking,
+                copy=kwargs.get("copy", False),
+                memory_format=memory_format or torch.preserve_format)

@@ -1,0 +1,50 @@
+"""Run a target on the virtual GPU and return its predicted recording."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.endings import stops
+from memprof.collect.launch import Target, run
+from memprof.collect.profiler import StepWindowProfiler
+from memprof.collect.session import Recording, predict_cuda_layout, settings_dict
+from memprof.collect.virtual.cards import Card
+from memprof.collect.virtual.gpu import VirtualGpu
+from memprof.trace.model import AllocatorSettings
+
+
+def record_virtual(target: Target, card: Card, settings: AllocatorSettings,
+                   profile_to: Path | None = None, announce: str | None = None,
+                   steps: int | None = None, seconds: float | None = None) -> Recording:
+    """Run ``target`` once on a virtual ``card``: its CUDA memory as that card would show it.
+
+    ``announce`` is printed on stderr when the script first makes a CUDA tensor; the run
+    stops after ``steps`` optimizer steps or ``seconds`` when given.
+    """
+    gpu = VirtualGpu(card, settings, settings_dict(settings), announce)
+    recorder = CpuRecorder(gpu.recorder)
+    profiler = StepWindowProfiler(profile_to) if profile_to is not None else None
+    start = time.perf_counter()
+    with recorder, gpu:
+        if profiler is not None:
+            profiler.start()
+        try:
+            with stops(steps, seconds):
+                outcome = run(target)
+        finally:
+            if profiler is not None:
+                profiler.stop()
+    took = time.perf_counter() - start
+    snapshot = predict_cuda_layout(recorder.snapshot(), settings, gpu.recorder.placer.layout())
+    return Recording(snapshot, outcome, f"virtual {card.name}", True, took,
+                     virtual_gpu=virtual_gpu_facts(card))
+
+
+def virtual_gpu_facts(card: Card) -> dict[str, Any]:
+    """``run.virtual_gpu`` in report.json: the card and the context assumption."""
+    return {"spec": card.name, "device_name": card.device_name,
+            "total_bytes": card.total_bytes, "capability": list(card.capability),
+            "context_bytes": card.context_bytes, "context_measured": card.context_measured}

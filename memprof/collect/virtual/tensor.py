@@ -1,0 +1,199 @@
+"""Virtual CUDA tensors: real shapes, dtypes and strides on ``meta`` storage, seen as CUDA.
+
+A :class:`VirtualTensor` wraps a ``meta`` tensor. To C++ (autograd, dispatch) it is a
+meta tensor, which every CPU-only build supports; to Python it says ``device cuda:0``
+and ``is_cuda``. Every operator on it runs on the meta tensor inside and wraps the
+result, so outputs, gradients and optimizer state are virtual CUDA tensors too.
+Values do not exist: ``.item()``, ``.tolist()``, printing and ``.numpy()`` give
+placeholders (zeros), announced once on stderr. A :class:`HostVirtualTensor` is the
+same on the host side: a copy to the host, or a parameter of a model built on the CPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from memprof.collect.virtual.autocast import AUTOCAST_CUDA
+
+CUDA = torch.device("cuda", 0)
+_CPU = torch.device("cpu")
+_META = torch.device("meta")
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+_TO_COPY = torch.ops.aten._to_copy.default
+_told = False
+
+
+def placeholder_notice() -> None:
+    """Say once that values read from virtual tensors are placeholders."""
+    global _told
+    if not _told:
+        _told = True
+        print("memprof: virtual GPU: CUDA tensors hold no values; .item(), .tolist(), printing"
+              " and .numpy() give zeros", file=sys.stderr)
+
+
+def _placeholder(dtype: torch.dtype) -> bool | int | float:
+    placeholder_notice()
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point or dtype.is_complex else 0
+
+
+class VirtualTensor(torch.Tensor):
+    """A CUDA tensor without storage or compute (a ``meta`` tensor inside)."""
+
+    elem: torch.Tensor
+    # called with every virtual tensor made outside an operator (factories, host copies)
+    on_create: Callable[[VirtualTensor], None] | None = None
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, requires_grad: bool | None = None) -> VirtualTensor:
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, elem.shape, strides=elem.stride(), storage_offset=elem.storage_offset(),
+            dtype=elem.dtype, layout=elem.layout, device="meta",
+            requires_grad=elem.requires_grad if requires_grad is None else requires_grad,
+            _extra_dispatch_keys=AUTOCAST_CUDA)  # CUDA autocast applies (autocast.py)
+        r.elem = elem
+        return r
+
+    @property  # type: ignore[override]
+    def device(self) -> torch.device:
+        return CUDA
+
+    @property  # type: ignore[override]
+    def is_cuda(self) -> bool:
+        return True
+
+    @property  # type: ignore[override]
+    def is_meta(self) -> bool:
+        return False
+
+    def get_device(self) -> int:
+        return 0
+
+    def __repr__(self, **kwargs: Any) -> str:
+        placeholder_notice()
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (f"tensor(<virtual>, device='cuda:0', size={tuple(self.shape)},"
+                f" dtype={self.dtype}{grad})")
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0:
+            return format(self.item(), spec)
+        return repr(self)
+
+    def item(self) -> bool | int | float:  # type: ignore[override]
+        return _placeholder(self.dtype)
+
+    def tolist(self) -> Any:  # type: ignore[override]
+        value = _placeholder(self.dtype)
+        out: Any = value
+        for n in reversed(self.shape):
+            out = [out if not isinstance(out, list) else list(out) for _ in range(n)]
+        return out
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        placeholder_notice()
+        return torch.zeros(self.shape, dtype=self.dtype).numpy()
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["elem"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: object, sizes: object, strides: object
+                             ) -> VirtualTensor:
+        return VirtualTensor(inner["elem"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is _LOCAL_SCALAR:
+            return _placeholder(args[0].dtype)
+        to_host = func is _TO_COPY and _is_host(kwargs.get("device"))
+        if to_host:  # a copy to the host: a host tensor, still without storage
+            kwargs = {**kwargs, "device": _META}
+        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        on_device = not to_host and any(
+            type(t) is VirtualTensor for t in torch.utils._pytree.tree_leaves((args, kwargs)))
+        wrap = VirtualTensor if on_device else HostVirtualTensor
+        return tree_map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
+
+
+class HostVirtualTensor(VirtualTensor):
+    """A host tensor without storage: the parameters of a model built on the CPU under the
+    virtual GPU, and copies of virtual CUDA tensors to the host. Not device memory."""
+
+    @property  # type: ignore[override]
+    def device(self) -> torch.device:
+        return _CPU
+
+    @property  # type: ignore[override]
+    def is_cuda(self) -> bool:
+        return False
+
+    def get_device(self) -> int:
+        return -1
+
+    def __repr__(self, **kwargs: Any) -> str:
+        placeholder_notice()
+        return f"tensor(<virtual>, size={tuple(self.shape)}, dtype={self.dtype})"
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: object, sizes: object, strides: object
+                             ) -> VirtualTensor:
+        return HostVirtualTensor(inner["elem"])
+
+
+def _is_host(device: object) -> bool:
+    return device is not None and torch.device(device).type == "cpu"  # type: ignore[arg-type]
+
+
+def _unwrap(x: object) -> object:
+    if isinstance(x, VirtualTensor):
+        return x.elem
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        # CPU scalar tensors mix with CUDA tensors, as on a GPU; host tensors with the
+        # storage-less parameters of a model built on the host
+        return x.to("meta")
+    if isinstance(x, torch.device) and x.type == "cuda":
+        return torch.device("meta")
+    return x
+
+
+def _is_plain_meta(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, VirtualTensor) and x.is_meta
+
+
+def virtual_like(t: torch.Tensor, dtype: torch.dtype | None = None,
+                 kind: type[VirtualTensor] = VirtualTensor) -> VirtualTensor:
+    """A new virtual tensor (CUDA, or ``HostVirtualTensor``) with ``t``'s shape and strides:
+    a host-to-device copy."""
+    dense = t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+    stride = t.stride() if dense else None
+    with torch._C.DisableTorchFunction():
+        if stride is None:
+            elem = torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")
+        else:
+            elem = torch.empty_strided(t.shape, stride, dtype=dtype or t.dtype, device="meta")
+    return adopt(kind(elem, requires_grad=False))
+
+
+def adopt(t: VirtualTensor) -> VirtualTensor:
+    """Report a virtual tensor made outside an operator to the recorder."""
+    if VirtualTensor.on_create is not None:
+        VirtualTensor.on_create(t)
+    return t

@@ -1,0 +1,377 @@
+"""`memprof run --virtual-gpu`: unmodified CUDA scripts on a machine without a GPU.
+
+Each run is the real command line in a fresh process; the expected numbers come from
+the model sizes and the CUDA caching allocator's block rounding, never from a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_run_cli import F32, MLP, SAMPLES, Result, block, flags, load_sample, report, run_python
+
+from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
+from memprof.collect.virtual.workspaces import cublas_workspace_bytes
+
+BF16 = torch.bfloat16.itemsize
+AMP_SIZES = (96, 80, 24, 20)
+# 3.26B parameters: 61 GiB predicted, no GPU and a few hundred MiB of host memory
+SCALE = ["--layers", "26", "--d-model", "3072", "--heads", "24", "--seq", "1024", "--batch",
+         "1", "--vocab", "50257", "--amp", "bf16"]
+ATTENTION = load_sample("transformer_lm").PRESETS["tiny"]
+
+API = """\
+import torch
+from torch import nn
+props = torch.cuda.get_device_properties(0)
+torch.cuda.nvtx.range_push("step")
+torch.cuda.nvtx.range_pop()
+pinned = torch.ones(4).pin_memory()
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record(); torch.cuda.synchronize(); end.record()
+torch.set_default_device("cuda")
+made = torch.zeros(8)
+linear = nn.Linear(16, 32)
+torch.set_default_device("cpu")
+compiled = torch.compile(linear)(torch.ones(3, 16, device="cuda"))
+decorated = torch.compile(mode="max-autotune")(lambda t: t * 2)(made)
+print(json.dumps({
+    "available": torch.cuda.is_available(), "count": torch.cuda.device_count(),
+    "current": torch.cuda.current_device(), "name": torch.cuda.get_device_name(0),
+    "total": props.total_memory, "capability": [props.major, props.minor],
+    "bf16": torch.cuda.is_bf16_supported(), "mem_get_info": list(torch.cuda.mem_get_info()),
+    "pinned_on_host": pinned.device.type, "default_is_cuda": made.is_cuda,
+    "linear": [linear.weight.device.type, list(linear.weight.shape)],
+    "item": made.sum().item(), "tolist": made[:2].tolist(),
+    "allocated": torch.cuda.memory_allocated(),
+    "compiled": [list(compiled.shape), compiled.is_cuda, decorated.is_cuda],
+}))
+"""
+
+HOST_DATA = """\
+import torch
+data = torch.randn(64 << 20 >> 2)  # a 64 MiB dataset on the host
+batch = data[:1000].to("cuda")
+print(torch.cuda.max_memory_allocated())
+"""
+
+HOST_MODEL = """\
+import resource
+import torch
+model = torch.nn.Linear(23000, 23000)  # 2.1 GB of fp32 weights, built on the host
+model.cuda()
+print(torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10)
+"""
+
+AUTOCAST = """\
+import sys
+import torch
+from torch import nn
+torch.cuda.memory._record_memory_history()
+IN, HIDDEN, OUT, BATCH = {sizes}
+model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT)).cuda()
+x, y = torch.randn(BATCH, IN, device="cuda"), torch.randn(BATCH, OUT, device="cuda")
+with torch.autocast("cuda", dtype=torch.bfloat16):
+    out = model(x)
+    loss = nn.functional.mse_loss(out, y)
+print(out.dtype, loss.dtype)
+loss.backward()
+torch.optim.SGD(model.parameters(), lr=0.1).step()
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+"""
+
+Job = Callable[[Path], Any]
+JOBS: dict[str, Job] = {}
+
+
+def job(fn: Job) -> Job:
+    JOBS[fn.__name__] = fn
+    return fn
+
+
+def virtual_run(where: Path, spec: str | None, script: Path | str, *args: str) -> Result:
+    """``memprof run [--virtual-gpu SPEC] SCRIPT ARGS`` into ``where/out``."""
+    chosen = ["--virtual-gpu", spec] if spec else []
+    return run_python(["-m", "memprof", "run", "-o", where / "out", *chosen, script, *args],
+                      where)
+
+
+def inline(where: Path, spec: str | None, name: str, code: str, *args: str) -> Result:
+    (where / f"{name}.py").write_text(("import json\n" if "json." in code else "") + code)
+    return virtual_run(where, spec, f"{name}.py", *args)
+
+
+@job
+def mlp(where: Path) -> Result:
+    return virtual_run(where, "H100", SAMPLES / "mlp_adam.py", *flags(MLP))
+
+
+@job
+def flash(where: Path) -> Result:
+    return virtual_run(where, "H100", SAMPLES / "transformer_lm.py", "--amp", "bf16")
+
+
+@job
+def math_v100(where: Path) -> Result:
+    return virtual_run(where, "V100", SAMPLES / "transformer_lm.py", "--amp", "bf16")
+
+
+@job
+def api(where: Path) -> Result:
+    return inline(where, "A100 40GB", "api", API)
+
+
+@job
+def default_card(where: Path) -> Result:
+    return inline(where, None, "host_data", HOST_DATA)
+
+
+@job
+def host_model(where: Path) -> Result:
+    return inline(where, "H100", "host_model", HOST_MODEL)
+
+
+@job
+def autocast(where: Path) -> Result:
+    code = AUTOCAST.replace("{sizes}", ", ".join(map(str, AMP_SIZES)))
+    return inline(where, "H100", "amp", code, str(where / "dumped.pickle"))
+
+
+@job
+def scale(where: Path) -> Result:
+    return virtual_run(where, "H100", SAMPLES / "transformer_lm.py", *SCALE, "--steps", "1")
+
+
+@job
+def no_cuda(where: Path) -> Result:
+    return inline(where, None, "cpu_only",
+                  "import torch\ntorch.nn.Linear(8, 8)(torch.ones(2, 8))\n")
+
+
+@job
+def oom(where: Path) -> Result:
+    return virtual_run(where, "1GiB", SAMPLES / "mlp_adam.py", "--hidden", "8192",
+                       "--layers", "4")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
+    base = tmp_path_factory.mktemp("virtual")
+    with ThreadPoolExecutor(max_workers=max(2, min(6, os.cpu_count() or 2))) as pool:
+        futures = {}
+        for name, fn in JOBS.items():
+            (base / name).mkdir()
+            futures[name] = pool.submit(lambda fn=fn, d=base / name: (fn(d), d))
+        yield futures
+
+
+def finished(runs: dict[str, Future[Any]], name: str, code: int = 0) -> tuple[Result, Path]:
+    result, where = runs[name].result()
+    assert result.code == code, result.stderr[-3000:]
+    return result, where
+
+
+def device_of(where: Path) -> dict[str, Any]:
+    return report(where / "out")["devices"][0]
+
+
+# --- model state and activations: exact bytes ------------------------------------------
+
+
+def test_adam_state_is_exact_and_step_tensors_stay_on_the_host(runs: dict[str, Future[Any]]
+                                                               ) -> None:
+    _, where = finished(runs, "mlp")
+    model = load_sample("mlp_adam").build_model(MLP["hidden"], MLP["layers"])
+    param_bytes = sum(block(p.numel() * F32) for p in model.parameters())
+    assert param_bytes != F32 * sum(p.numel() for p in model.parameters())
+    # CUDA's Adam (foreach by default) keeps exp_avg and exp_avg_sq on the device and
+    # `step` as a host tensor (neither capturable nor fused): not device memory
+    expected = {"parameters": param_bytes, "gradients": param_bytes,
+                "optimizer_state": 2 * param_bytes}
+    device = device_of(where)
+    assert {k: device["categories"][k] for k in expected} == expected
+    assert {k: device["category_peaks"][k] for k in expected} == expected
+    data = report(where / "out")
+    assert data["run"]["predicted"] is True
+    card = parse_spec("H100")
+    assert data["run"]["virtual_gpu"]["total_bytes"] == card.total_bytes
+    assert data["run"]["virtual_gpu"]["context_bytes"] == card.context_bytes
+
+
+def test_bf16_autocast_saves_what_cudas_policy_casts(runs: dict[str, Future[Any]]) -> None:
+    result, where = finished(runs, "autocast")
+    # linear runs in bf16, mse_loss in fp32 (autocast_mode.cpp)
+    assert result.stdout.splitlines()[0] == "torch.bfloat16 torch.float32"
+    inp, hidden, out, batch = AMP_SIZES
+    # saved for backward: the bf16 casts of the input and of the second weight (the first
+    # weight is not saved: the input needs no gradient), the bf16 ReLU output (which the
+    # second linear saves too), mse_loss's fp32 cast of the bf16 output and its fp32 target
+    expected = (block(batch * inp * BF16) + block(batch * hidden * BF16)
+                + block(out * hidden * BF16) + block(batch * out * F32)
+                + block(batch * out * F32))
+    assert device_of(where)["category_peaks"]["activations"] == expected
+
+
+# --- attention: the card's SDPA kernel --------------------------------------------------
+
+
+def _attention_allocs(where: Path) -> list[int]:
+    """Sizes allocated at the sample's scaled_dot_product_attention line (forward)."""
+    lines = (SAMPLES / "transformer_lm.py").read_text().splitlines()
+    line = 1 + next(i for i, text in enumerate(lines) if "scaled_dot_product_attention(" in text)
+    snapshot = run_python(["-c", "import pickle, sys, json; s = pickle.load(open(sys.argv[1],"
+                           " 'rb')); print(json.dumps([[e['size'], [(f['filename'], f['line'])"
+                           " for f in e['frames']]] for e in s['device_traces'][0]"
+                           " if e['action'] == 'alloc']))", where / "out" / "snapshot.pickle"],
+                          where)
+    sizes = []
+    for size, frames in json.loads(snapshot.stdout):
+        mine = [ln for name, ln in frames if name.endswith("transformer_lm.py")]
+        if mine and mine[0] == line:
+            sizes.append(size)
+    return sizes
+
+
+def test_h100_runs_flash_attention_with_its_logsumexp(runs: dict[str, Future[Any]]) -> None:
+    _, where = finished(runs, "flash")
+    b, h, s, d = ATTENTION["batch"], ATTENTION["heads"], ATTENTION["seq"], \
+        ATTENTION["d_model"] // ATTENTION["heads"]
+    sizes = _attention_allocs(where)
+    assert b * h * s * F32 in sizes  # flash's logsumexp, fp32 (B, H, S)
+    assert b * h * s * d * BF16 in sizes  # the output
+    assert max(sizes) < b * h * s * s * BF16  # no attention matrix
+
+
+def test_v100_falls_back_to_math_attention(runs: dict[str, Future[Any]]) -> None:
+    # bf16 needs compute capability 8.0 for flash and memory-efficient attention
+    _, where = finished(runs, "math_v100")
+    b, h, s = ATTENTION["batch"], ATTENTION["heads"], ATTENTION["seq"]
+    sizes = _attention_allocs(where)
+    assert b * h * s * s * BF16 in sizes  # the attention matrix
+    assert b * h * s * F32 not in sizes
+
+
+# --- what the script sees --------------------------------------------------------------
+
+
+def test_the_scripts_own_peak_is_the_reports(runs: dict[str, Future[Any]]) -> None:
+    result, where = finished(runs, "flash")
+    printed = int(re.search(r"max_memory_allocated (\d+)", result.stdout).group(1))
+    assert printed == device_of(where)["peak"]["allocated_bytes"]
+    assert "predicted for H100 80GB" in result.stderr
+
+
+def test_training_holds_a_cublas_workspace_per_thread(runs: dict[str, Future[Any]]) -> None:
+    # the forward's first matmul and the backward's (autograd's own thread on a card)
+    _, where = finished(runs, "flash")
+    size = cublas_workspace_bytes(parse_spec("H100"))
+    snapshot = run_python(["-c", "import pickle, sys; s = pickle.load(open(sys.argv[1], 'rb'));"
+                           f" print(sum(e['action'] == 'alloc' and e['size'] == {size}"
+                           " for e in s['device_traces'][0]))",
+                           where / "out" / "snapshot.pickle"], where)
+    assert int(snapshot.stdout) == 2
+
+
+def test_a_dumped_snapshot_reads_back_in_explain(runs: dict[str, Future[Any]]) -> None:
+    _, where = finished(runs, "autocast")
+    explained = run_python(["-m", "memprof", "explain", "--json", "-o", "-",
+                            where / "dumped.pickle"], where)
+    assert explained.code == 0, explained.stderr
+    dumped = json.loads(explained.stdout)["devices"][0]
+    run = device_of(where)
+    assert dumped["peak"] == run["peak"]
+    assert dumped["categories_inferred"] is True
+
+
+def test_torch_cuda_answers_as_the_card(runs: dict[str, Future[Any]]) -> None:
+    result, _ = finished(runs, "api")
+    card = parse_spec("A100 40GB")
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen == {
+        "available": True, "count": 1, "current": 0, "name": card.device_name,
+        "total": card.total_bytes, "capability": list(card.capability), "bf16": True,
+        # one small segment, and a 20 MiB one for the cuBLAS workspace of the first matmul
+        "mem_get_info": [card.usable_bytes - (2 << 20) - (20 << 20), card.total_bytes],
+        "pinned_on_host": "cpu", "default_is_cuda": True, "linear": ["cuda", [32, 16]],
+        "item": 0.0, "tolist": [0.0, 0.0],
+        "allocated": block(8 * F32) + block(32 * 16 * F32) + block(32 * F32)
+        + block(3 * 16 * F32) + block(3 * 32 * F32) + block(8 * F32)
+        + cublas_workspace_bytes(card),
+        "compiled": [[3, 32], True, True]}
+    assert result.stderr.count("hold no values") == 1
+    assert result.stderr.count("torch.compile ran the model eagerly") == 2
+
+
+def test_host_tensors_are_not_device_memory(runs: dict[str, Future[Any]]) -> None:
+    result, where = finished(runs, "default_card")
+    assert int(result.stdout) == block(1000 * F32)
+    assert device_of(where)["peak"]["allocated_bytes"] == block(1000 * F32)
+    assert f"virtual {DEFAULT_CARD.name}" in result.stderr.splitlines()[0]
+
+
+def test_a_model_built_on_the_host_never_holds_its_weights(runs: dict[str, Future[Any]]
+                                                            ) -> None:
+    result, _ = finished(runs, "host_model")
+    allocated, max_rss = map(int, result.stdout.split())
+    # the weight gets a segment of its own, rounded up to 2 MiB; the remainder (under 1 MiB)
+    # is not split off, so the whole segment is its block
+    weight = -(-block(23000 * 23000 * F32) // (2 << 20)) * (2 << 20)
+    assert weight - block(23000 * 23000 * F32) < 1 << 20
+    assert allocated == weight + block(23000 * F32)
+    assert max_rss < allocated // 2  # the weights never existed in host memory
+
+
+def test_a_script_without_cuda_tensors_is_told_so(runs: dict[str, Future[Any]]) -> None:
+    result, where = finished(runs, "no_cuda")
+    assert "made no CUDA tensor, so the virtual H100 80GB held nothing; --device cpu" \
+        in result.stderr
+    assert report(where / "out")["devices"] == []
+
+
+def test_out_of_memory_where_the_card_would(runs: dict[str, Future[Any]]) -> None:
+    result, where = finished(runs, "oom", code=1)
+    card = parse_spec("1GiB")
+    hidden = 8192
+    assert ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0"
+            " has a total capacity of 1024.00 MiB of which ") in result.stderr
+    message = re.search(r"of which ([\d.]+) MiB is free\. Including non-PyTorch memory, this"
+                        r" process has ([\d.]+) MiB memory in use\. Of the allocated memory"
+                        r" ([\d.]+) MiB is allocated by PyTorch, and ([\d.]+) MiB is reserved"
+                        r" by PyTorch but unallocated\. If reserved but unallocated memory is"
+                        r" large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                        result.stderr)
+    assert message is not None, result.stderr[-2000:]
+    free, in_use, allocated, cached = (float(g) * (1 << 20) for g in message.groups())
+    assert free + in_use == card.total_bytes
+    # the first layer (128 -> 8192), the second's 8192 x 8192 weight and bias; the third's
+    # weight does not fit
+    held = block(8192 * 128 * F32) + block(8192 * F32) + block(hidden * hidden * F32) \
+        + block(8192 * F32)
+    assert allocated == pytest.approx(held, abs=0.01 * (1 << 20))
+    data = report(where / "out")
+    assert data["run"]["exit"]["status"] == "raised"
+    assert data["devices"][0]["oom"]["requested_bytes"] == hidden * hidden * F32
+    assert cached >= 0
+
+
+def test_a_3b_parameter_model_runs_without_its_memory(runs: dict[str, Future[Any]]) -> None:
+    _, where = finished(runs, "scale")
+    transformer = load_sample("transformer_lm")
+    with torch.device("meta"):
+        model = transformer.build_model(transformer.parse_args(SCALE))
+    params = list(model.parameters())
+    assert sum(p.numel() for p in params) > 3_000_000_000
+    param_bytes = sum(block(p.numel() * F32) for p in params)
+    device = device_of(where)
+    assert device["category_peaks"]["parameters"] == param_bytes
+    assert device["category_peaks"]["gradients"] == param_bytes
+    assert device["category_peaks"]["optimizer_state"] == 2 * param_bytes
+    assert device["peak"]["allocated_bytes"] > 4 * param_bytes
