@@ -16,9 +16,10 @@ For each ground-truth snapshot whose checkout is given, the repository's script 
 unmodified under ``memprof run --virtual-gpu CARD`` with the README's arguments, in a
 scratch folder; the snapshot the script dumps is compared with the one the real GPU
 recorded: peak allocated and peak reserved (as ``memprof explain`` computes them), the
-peak the script printed against its log, and, where they differ, the allocation sizes
-whose counts differ most (in bytes) and, with the two allocation sequences aligned, the
-allocations only one of them made (by site).
+peak the script printed against its log, the share of the GPU's allocations that the
+prediction reproduces in order (the two sequences aligned by size), and, where they
+differ, the sizes whose counts differ most (in bytes) and the allocations only one of
+the two made (by the user's line).
 Needs ``einops``, ``einx`` and ``jaxtyping`` (pure Python).
 
 ``--self-check`` compares every ground-truth snapshot with itself (all errors must be 0)
@@ -196,6 +197,7 @@ class Comparison:
     # (site, size, count), most bytes first
     recorded_only: list[tuple[str, int, int]] = field(default_factory=list)
     predicted_only: list[tuple[str, int, int]] = field(default_factory=list)
+    matched: float = 100.0  # percent of the GPU's allocations the aligned prediction has
 
 
 def compare(predicted: Measured, recorded: Measured, top: int = 4) -> Comparison:
@@ -204,10 +206,11 @@ def compare(predicted: Measured, recorded: Measured, top: int = 4) -> Comparison
                  for size in set(predicted.sizes) | set(recorded.sizes)
                  if predicted.sizes[size] != recorded.sizes[size]]
     differing.sort(key=lambda d: (-abs(d[2] - d[1]) * d[0], d[0]))
-    recorded_only, predicted_only = unmatched(recorded.allocs, predicted.allocs)
+    recorded_only, predicted_only, same = unmatched(recorded.allocs, predicted.allocs)
+    matched = 100.0 * same / len(recorded.allocs) if recorded.allocs else 100.0
     return Comparison(_error(predicted.allocated, recorded.allocated),
                       _error(predicted.reserved, recorded.reserved), differing[:top],
-                      recorded_only[:top], predicted_only[:top])
+                      recorded_only[:top], predicted_only[:top], matched)
 
 
 def _error(predicted: int, recorded: int) -> float:
@@ -215,8 +218,9 @@ def _error(predicted: int, recorded: int) -> float:
 
 
 def unmatched(recorded: list[tuple[int, str]], predicted: list[tuple[int, str]]
-              ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
-    """Align two allocation sequences by size; what each has that the other has not.
+              ) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]], int]:
+    """Align two allocation sequences by size: what each has that the other has not, and
+    how many allocations they share.
 
     Sites do not take part: the GPU records no stack for autograd's thread, and Python
     versions differ in the line they give a multi-line statement.
@@ -224,12 +228,17 @@ def unmatched(recorded: list[tuple[int, str]], predicted: list[tuple[int, str]]
     matcher = difflib.SequenceMatcher(None, [size for size, _ in recorded],
                                       [size for size, _ in predicted], autojunk=False)
     only: tuple[Counter, Counter] = (Counter(), Counter())
+    same = 0
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag != "equal":
+        if tag == "equal":
+            same += i2 - i1
+        else:
             only[0].update(recorded[i1:i2])
             only[1].update(predicted[j1:j2])
-    return tuple(sorted(((site, size, n) for (size, site), n in c.items()),
-                        key=lambda x: (-x[1] * x[2], x[0], x[1])) for c in only)
+    recorded_only, predicted_only = (
+        sorted(((site, size, n) for (size, site), n in c.items()),
+               key=lambda x: (-x[1] * x[2], x[0], x[1])) for c in only)
+    return recorded_only, predicted_only, same
 
 
 def _differing_text(comparison: Comparison) -> str:
@@ -359,19 +368,21 @@ def rows(outcomes: list[Outcome]) -> list[list[str]]:
         assert recorded is not None
         if o.comparison is None or o.predicted is None:
             table.append([o.run.label, f"{recorded.allocated / MIB:,.1f}", "-", "-",
-                          f"{recorded.reserved / MIB:,.0f}", "-", "-", "",
+                          f"{recorded.reserved / MIB:,.0f}", "-", "-", "-", "",
                           o.problem.replace("|", "/")])
             continue
         c, p = o.comparison, o.predicted
         table.append([o.run.label, f"{recorded.allocated / MIB:,.1f}",
                       f"{p.allocated / MIB:,.1f}", f"{c.allocated_error:+.2f}%",
                       f"{recorded.reserved / MIB:,.0f}", f"{p.reserved / MIB:,.0f}",
-                      f"{c.reserved_error:+.2f}%", o.printed, _differing_text(c)])
+                      f"{c.reserved_error:+.2f}%", f"{c.matched:.1f}%", o.printed,
+                      _differing_text(c)])
     return table
 
 
 HEADER = ["run", "alloc MiB (GPU)", "alloc MiB (predicted)", "error", "reserved MiB (GPU)",
-          "reserved MiB (predicted)", "error", "script printed", "sizes whose counts differ"
+          "reserved MiB (predicted)", "error", "GPU allocations matched", "script printed",
+          "sizes whose counts differ"
           " (recorded -> predicted)"]
 
 
@@ -402,7 +413,7 @@ def self_check() -> int:
         same = compare(measured[run.fixture], measured[run.fixture])
         other = compare(measured[neighbour.fixture], measured[run.fixture])
         exact = not (same.allocated_error or same.reserved_error or same.differing
-                     or same.recorded_only or same.predicted_only)
+                     or same.recorded_only or same.predicted_only) and same.matched == 100.0
         told_apart = bool(other.differing and other.allocated_error)
         wrong += (not exact) + (not told_apart)
         print(f"{run.label}: itself {'identical' if exact else 'WRONG: differs'}; as predicted"
