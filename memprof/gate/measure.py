@@ -1,7 +1,9 @@
 """Measure the memory of a piece of code in this process: a test, for the pytest plugin.
 
 The backend follows the machine: PyTorch's own allocator history where CUDA is
-available, else memprof's CPU recorder with the caching allocator's predicted layout.
+available; else the virtual GPU, which runs CUDA code on storage-less tensors and predicts
+its memory; and memprof's CPU recorder with the caching allocator's predicted layout for
+code that makes no CUDA tensor.
 """
 
 from __future__ import annotations
@@ -15,33 +17,53 @@ CUDA_HISTORY_ENTRIES = 200_000
 
 
 def backend() -> str:
-    """``cuda`` (the allocator's own history) or ``cpu`` (recorded, layout predicted)."""
-    return "cuda" if cuda.available() else "cpu"
+    """``cuda`` (the allocator's own history) or ``virtual`` (CUDA code on a virtual GPU)."""
+    return "cuda" if cuda.available() else "virtual"
 
 
 class Measurement:
     """Start before the code, stop after it: the report (JSON-ready) of what it allocated."""
 
-    def __init__(self, top: int = 5) -> None:
-        self.backend = backend()
+    def __init__(self, top: int = 5, using: str | None = None, card: str | None = None
+                 ) -> None:
+        from memprof.analysis.settings import parse_alloc_conf
+
+        self.backend = using or backend()
         self.top = top
+        self.card = card
+        self._settings = parse_alloc_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
         self._history: cuda.CudaHistory | None = None
         self._recorder: Any = None
+        self._gpu: Any = None
 
     def start(self) -> None:
+        from memprof.collect.cpu_recorder import CpuRecorder
+
         if self.backend == "cuda":
             self._history = cuda.CudaHistory(CUDA_HISTORY_ENTRIES)
             self._history.start()
-        else:
-            from memprof.collect.cpu_recorder import CpuRecorder
+        elif self.backend == "virtual":
+            from memprof.collect.session import settings_dict
+            from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
+            from memprof.collect.virtual.gpu import VirtualGpu
 
+            card = parse_spec(self.card) if self.card else DEFAULT_CARD
+            self._gpu = VirtualGpu(card, self._settings, settings_dict(self._settings))
+            self._recorder = CpuRecorder(self._gpu.recorder)
+            self._recorder.start()
+            self._gpu.__enter__()
+        else:
             self._recorder = CpuRecorder()
             self._recorder.start()
+
+    @property
+    def made_cuda_tensors(self) -> bool:
+        """Whether the code made a CUDA tensor (always true on a real GPU)."""
+        return self._gpu is None or bool(self._gpu.recorder.events)
 
     def stop(self) -> dict[str, Any]:
         """Stop measuring; the report of the code in between, in the report schema."""
         from memprof.analysis.explain import explain
-        from memprof.analysis.settings import parse_alloc_conf
         from memprof.collect.session import predict_cuda_layout
         from memprof.report.json import report_dict
         from memprof.trace.normalize import normalize
@@ -49,7 +71,10 @@ class Measurement:
         if self._history is not None:
             snapshot = self._history.stop()
         else:
+            layout = None
+            if self._gpu is not None:
+                self._gpu.__exit__(None, None, None)
+                layout = self._gpu.recorder.placer.layout()
             self._recorder.stop()
-            settings = parse_alloc_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
-            snapshot = predict_cuda_layout(self._recorder.snapshot(), settings)
+            snapshot = predict_cuda_layout(self._recorder.snapshot(), self._settings, layout)
         return report_dict(explain(normalize(snapshot), "", top=self.top), "check")
