@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -148,6 +149,28 @@ def autocast(where: Path) -> Result:
 @job
 def scale(where: Path) -> Result:
     return virtual_run(where, "H100", SAMPLES / "transformer_lm.py", *SCALE, "--steps", "1")
+
+
+CHECKPOINTS = """
+import sys
+import torch
+assert torch.accelerator.is_available()
+device = torch.accelerator.current_accelerator()
+model = torch.nn.Linear(256, 256, bias=False).to(device)
+real = torch.load(sys.argv[1], map_location="cuda")  # saved by plain PyTorch: real weights
+assert real["weight"].is_cuda
+model.load_state_dict(real)
+torch.save(model.state_dict(), "virtual.pt")
+back = torch.load("virtual.pt")  # weights_only, as PyTorch 2.6+ loads by default
+assert back["weight"].is_cuda and back["weight"].shape == (256, 256)
+assert torch.load("virtual.pt", map_location="cpu")["weight"].device.type == "cpu"
+"""
+
+
+@job
+def checkpoints(where: Path) -> Result:
+    torch.save({"weight": torch.ones(256, 256)}, where / "real.pt")
+    return inline(where, None, "checkpoints", CHECKPOINTS, str(where / "real.pt"))
 
 
 @job
@@ -327,6 +350,17 @@ def test_a_model_built_on_the_host_never_holds_its_weights(runs: dict[str, Futur
     assert weight - block(23000 * 23000 * F32) < 1 << 20
     assert allocated == weight + block(23000 * F32)
     assert max_rss < allocated // 2  # the weights never existed in host memory
+
+
+def test_checkpoints_save_and_load_on_the_virtual_gpu(runs: dict[str, Future[Any]]) -> None:
+    result, where = finished(runs, "checkpoints")
+    assert "torch.save wrote virtual.pt with placeholder tensors" in result.stderr
+    with open(where / "out" / "snapshot.pickle", "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    weights = [e for e in trace if e["action"] == "alloc" and e["size"] == 256 * 256 * F32]
+    # the parameter, the real checkpoint's weight mapped to CUDA, the virtual one read
+    # back on CUDA; the copy mapped to the host is not device memory
+    assert len(weights) == 3
 
 
 def test_a_script_without_cuda_tensors_is_told_so(runs: dict[str, Future[Any]]) -> None:

@@ -25,7 +25,8 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
     """Print the summary of one device of a run."""
     ended = run["exit"]
     how = {"completed": "completed", "exited": f"exited with sys.exit({ended['code']})",
-           "raised": f"raised {visible(ended['error'])}", "interrupted": "was interrupted (Ctrl-C)",
+           "raised": f"raised {visible(_first_line(ended['error']))}",
+           "interrupted": "was interrupted (Ctrl-C)",
            "stopped": f"stopped by memprof ({run.get('stopped_by')})"}
     console.print(Text.assemble(
         ("memprof run ", "bold"), visible(" ".join(run["command"][2:])),
@@ -90,3 +91,9 @@ def _peak_step(d: DeviceFindings) -> str:
         if p.start <= d.peak_event_index < p.end:
             return str(p.step)
     return "after the last step" if d.peak_event_index >= d.steps[-1].end else "before step 1"
+
+
+def _first_line(error: str | None, limit: int = 160) -> str:
+    """An exception's first line, cut to ``limit`` characters (the JSON keeps it whole)."""
+    line = str(error).split("\n", 1)[0]
+    return line if len(line) <= limit else line[:limit - 1] + "…"

@@ -52,6 +52,9 @@ class Stream:
     def synchronize(self) -> None: ...
     def wait_stream(self, stream: object) -> None: ...
     def wait_event(self, event: object) -> None: ...
+    def is_capturing(self) -> bool:
+        return False
+
     def query(self) -> bool:
         return True
 
@@ -173,6 +176,21 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
     patches[(nvtx, "range_pop")] = _nothing
     patches[(nvtx, "mark")] = _nothing
     patches[(nvtx, "range")] = _nvtx_range
+    # torch.accelerator, the device-generic API newer scripts use: CUDA is the accelerator
+    accelerator = {**{name: answers[name] for name in (
+        "is_available", "device_count", "synchronize", "memory_allocated",
+        "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+        "reset_peak_memory_stats", "reset_accumulated_memory_stats", "memory_stats",
+        "empty_cache", "current_stream", "set_stream")},
+        "current_accelerator": lambda check_available=False: torch.device("cuda"),
+        "current_device_index": lambda: 0, "current_device_idx": lambda: 0,
+        "set_device_index": _nothing, "set_device_idx": _nothing,
+        "device_index": lambda device=None: contextlib.nullcontext(),
+        "get_memory_info": mem_get_info}
+    for name, value in accelerator.items():
+        for module in (torch.accelerator, torch.accelerator.memory):
+            if hasattr(module, name):
+                patches[(module, name)] = value
     return patches
 
 

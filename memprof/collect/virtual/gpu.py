@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memprof.collect.virtual import autocast
 from memprof.collect.virtual.cards import Card
+from memprof.collect.virtual.checkpoints import Checkpoints
 from memprof.collect.virtual.cuda_api import HistoryWindow, cuda_api
 from memprof.collect.virtual.recorder import VirtualRecorder
 from memprof.collect.virtual.routing import CudaRouting
@@ -48,6 +49,7 @@ class VirtualGpu:
         self._saved: dict[tuple[Any, str], Any] = {}
         self._autocast: torch.library.Library | None = None
         self._hooks: list[RemovableHandle] = []
+        self._checkpoints = Checkpoints()
 
     def __enter__(self) -> VirtualGpu:
         patches = cuda_api(self.card, self.recorder, self.history)
@@ -55,6 +57,7 @@ class VirtualGpu:
         patches[(torch, "clear_autocast_cache")] = _clear_autocast_cache
         for name in _INITIALIZERS:
             patches[(torch.nn.init, name)] = _no_init
+        patches.update(self._checkpoints.patches())
         for (owner, name), value in patches.items():
             self._saved[(owner, name)] = getattr(owner, name)
             setattr(owner, name, value)
@@ -63,11 +66,13 @@ class VirtualGpu:
         self._hooks = [register_module_parameter_registration_hook(_host_parameter),
                        register_module_buffer_registration_hook(_host_buffer)]
         self._autocast = autocast.install()
+        self._checkpoints.install()
         self._routing.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._routing.__exit__(None, None, None)
+        self._checkpoints.remove()
         if self._autocast is not None:
             self._autocast._destroy()
         autocast.clear_cache()

@@ -110,6 +110,15 @@ class VirtualTensor(torch.Tensor):
     def __int__(self) -> int:
         return int(self.item())
 
+    def __reduce_ex__(self, protocol: object) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """Pickle as PyTorch pickles a storage-less tensor: a plain ``torch.Tensor`` wrapper
+        on this device (``checkpoints.py`` reads it back as a virtual tensor)."""
+        if getattr(self, "_is_param", False):
+            return torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, {})
+        return torch._utils._rebuild_wrapper_subclass, (
+            torch.Tensor, self.dtype, tuple(self.size()), self.stride(), self.storage_offset(),
+            self.layout, self.device, self.requires_grad)
+
     def __tensor_flatten__(self) -> tuple[list[str], None]:
         return ["elem"], None
 
