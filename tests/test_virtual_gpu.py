@@ -158,7 +158,7 @@ assert torch.accelerator.is_available()
 device = torch.accelerator.current_accelerator()
 model = torch.nn.Linear(256, 256, bias=False).to(device)
 real = torch.load(sys.argv[1], map_location="cuda")  # saved by plain PyTorch: real weights
-assert real["weight"].is_cuda
+assert real["weight"].is_cuda and real.pop("step").item() == 7  # scalars keep their values
 model.load_state_dict(real)
 torch.save(model.state_dict(), "virtual.pt")
 back = torch.load("virtual.pt")  # weights_only, as PyTorch 2.6+ loads by default
@@ -169,7 +169,7 @@ assert torch.load("virtual.pt", map_location="cpu")["weight"].device.type == "cp
 
 @job
 def checkpoints(where: Path) -> Result:
-    torch.save({"weight": torch.ones(256, 256)}, where / "real.pt")
+    torch.save({"weight": torch.ones(256, 256), "step": torch.tensor(7.0)}, where / "real.pt")
     return inline(where, None, "checkpoints", CHECKPOINTS, str(where / "real.pt"))
 
 

@@ -5,7 +5,8 @@ tensor (``torch._utils._rebuild_wrapper_subclass`` of a plain ``torch.Tensor``: 
 the weights-only unpickler allows), so the script's own ``torch.load`` reads it back, as
 virtual tensors again, on the device ``map_location`` names. A real checkpoint (saved on
 a GPU) loads its storages on the host, where this machine can, and its CUDA tensors
-become virtual CUDA tensors: allocated on the card, as the load would.
+become virtual CUDA tensors: allocated on the card, as the load would. Scalars stay real
+host tensors, so values that steer the script (an optimizer's step count) are kept.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ class Checkpoints:
         return storage
 
     def _virtual(self, x: Any) -> Any:
-        if type(x) not in (torch.Tensor, torch.nn.Parameter) \
+        # scalars keep their real values on the host (an optimizer's `step` must count, not
+        # read a placeholder zero and divide by it); a scalar is one 512-byte block on a card
+        if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.dim() == 0 \
                 or x.untyped_storage().data_ptr() not in self._mapped:
             return x
         t = virtual_like(x)
