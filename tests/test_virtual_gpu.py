@@ -59,8 +59,12 @@ print(json.dumps({
 
 HOST_DATA = """\
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 data = torch.randn(64 << 20 >> 2)  # a 64 MiB dataset on the host
-batch = data[:1000].to("cuda")
+loader = DataLoader(TensorDataset(data[:1000]), batch_size=1000, num_workers=1,
+                    pin_memory=True)
+(batch,) = next(iter(loader))  # made in a worker, pinned on DataLoader's own thread
+batch = batch.to("cuda", non_blocking=True)
 print(torch.cuda.max_memory_allocated())
 """
 

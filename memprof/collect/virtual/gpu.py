@@ -58,6 +58,9 @@ class VirtualGpu:
         for name in _INITIALIZERS:
             patches[(torch.nn.init, name)] = _no_init
         patches.update(self._checkpoints.patches())
+        # on the tensor, not in the routing mode: DataLoader pins batches on a thread of its
+        # own, where the (thread-local) mode does not reach
+        patches[(torch.Tensor, "pin_memory")] = _pinned
         for (owner, name), value in patches.items():
             self._saved[(owner, name)] = getattr(owner, name)
             setattr(owner, name, value)
@@ -90,6 +93,11 @@ class VirtualGpu:
 _INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
                  "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
                  "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+def _pinned(tensor: torch.Tensor, device: object = None) -> torch.Tensor:
+    """``pin_memory()``: the host tensor itself (a CPU build cannot pin)."""
+    return tensor
 
 
 def _no_init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

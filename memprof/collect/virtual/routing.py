@@ -2,8 +2,8 @@
 
 Factories asked for a CUDA device (``device="cuda"``, ``set_default_device("cuda")``,
 ``nn.Linear(..., device="cuda")``), ``.cuda()`` and ``.to("cuda")`` give virtual CUDA
-tensors; host tensors stay real. ``pin_memory()`` keeps the host tensor (there is no
-accelerator to pin for), ``scaled_dot_product_attention`` runs the card's kernel (``attention.py``).
+tensors; host tensors stay real; ``scaled_dot_product_attention`` runs the card's kernel
+(``attention.py``).
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ class CudaRouting(TorchFunctionMode):
             return _to_cuda(args[0], None)
         if func is torch.Tensor.to:
             return _to(args[0], args[1:], kwargs, func)
-        if func is torch.Tensor.pin_memory:
-            return args[0]
         if func is _SDPA:
             return sdpa(self.card, *args, **kwargs)
         device = kwargs.get("device")
