@@ -177,10 +177,16 @@ def checkpoints(where: Path) -> Result:
     return inline(where, None, "checkpoints", CHECKPOINTS, str(where / "real.pt"))
 
 
+CPU_ONLY = """\
+import torch
+torch.manual_seed(0)
+print(torch.nn.Linear(8, 8)(torch.ones(2, 8)).sum().item())
+"""
+
+
 @job
 def no_cuda(where: Path) -> Result:
-    return inline(where, None, "cpu_only",
-                  "import torch\ntorch.nn.Linear(8, 8)(torch.ones(2, 8))\n")
+    return inline(where, None, "cpu_only", CPU_ONLY)
 
 
 @job
@@ -369,6 +375,9 @@ def test_checkpoints_save_and_load_on_the_virtual_gpu(runs: dict[str, Future[Any
 
 def test_a_script_without_cuda_tensors_is_told_so(runs: dict[str, Future[Any]]) -> None:
     result, where = finished(runs, "no_cuda")
+    # host model state stays real while small: the script computes what python computes
+    assert result.stdout == run_python(["cpu_only.py"], where).stdout
+    assert float(result.stdout) != 0
     assert "made no CUDA tensor, so the virtual H100 80GB held nothing; --device cpu" \
         in result.stderr
     assert report(where / "out")["devices"] == []
