@@ -38,20 +38,10 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
     stopping it after ``steps`` optimizer steps or ``seconds`` when given."""
     recorder = CpuRecorder()
     history = cuda.CudaHistory(max_entries) if use_cuda else None
-    profiler = StepWindowProfiler(profile_to) if profile_to is not None else None
     if history is not None:
         history.start()
-    start = time.perf_counter()
     with recorder:
-        if profiler is not None:
-            profiler.start()
-        try:
-            with stops(steps, seconds):
-                outcome = run(target)
-        finally:
-            if profiler is not None:
-                profiler.stop()
-    seconds = time.perf_counter() - start
+        outcome, seconds = run_profiled(target, profile_to, steps, seconds)
     labelled = recorder.snapshot()
     if history is not None:
         snapshot = history.stop()
@@ -68,6 +58,23 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
                          history.oom_snapshot)
     return Recording(predict_cuda_layout(labelled, settings), outcome,
                      "cpu (CUDA memory predicted)", True, seconds)
+
+
+def run_profiled(target: Target, profile_to: Path | None, steps: int | None,
+                 seconds: float | None) -> tuple[Outcome, float]:
+    """Run ``target`` (under torch.profiler with ``profile_to``; stopped after ``steps`` or
+    ``seconds``): how it ended and how long it took."""
+    profiler = StepWindowProfiler(profile_to) if profile_to is not None else None
+    start = time.perf_counter()
+    if profiler is not None:
+        profiler.start()
+    try:
+        with stops(steps, seconds):
+            outcome = run(target)
+    finally:
+        if profiler is not None:
+            profiler.stop()
+    return outcome, time.perf_counter() - start
 
 
 def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,

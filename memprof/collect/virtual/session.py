@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from memprof.collect.cpu_recorder import CpuRecorder
-from memprof.collect.endings import stops
-from memprof.collect.launch import Target, run
-from memprof.collect.profiler import StepWindowProfiler
-from memprof.collect.session import Recording, predict_cuda_layout, settings_dict
+from memprof.collect.launch import Target
+from memprof.collect.session import Recording, predict_cuda_layout, run_profiled, settings_dict
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.gpu import VirtualGpu
 from memprof.trace.model import AllocatorSettings
@@ -26,18 +23,8 @@ def record_virtual(target: Target, card: Card, settings: AllocatorSettings,
     """
     gpu = VirtualGpu(card, settings, settings_dict(settings), announce)
     recorder = CpuRecorder(gpu.recorder)
-    profiler = StepWindowProfiler(profile_to) if profile_to is not None else None
-    start = time.perf_counter()
     with recorder, gpu:
-        if profiler is not None:
-            profiler.start()
-        try:
-            with stops(steps, seconds):
-                outcome = run(target)
-        finally:
-            if profiler is not None:
-                profiler.stop()
-    took = time.perf_counter() - start
+        outcome, took = run_profiled(target, profile_to, steps, seconds)
     snapshot = predict_cuda_layout(recorder.snapshot(), settings, gpu.recorder.placer.layout())
     return Recording(snapshot, outcome, f"virtual {card.name}", True, took,
                      virtual_gpu=virtual_gpu_facts(card))
