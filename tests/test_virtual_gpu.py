@@ -311,6 +311,9 @@ def test_training_holds_a_cublas_workspace_per_thread(runs: dict[str, Future[Any
                            " for e in s['device_traces'][0]))",
                            where / "out" / "snapshot.pickle"], where)
     assert int(snapshot.stdout) == 2
+    # labelled as what they are, not "other"
+    assert device_of(where)["categories"]["workspace"] == 2 * size
+    assert device_of(where)["categories"]["other"] == 0
 
 
 def test_a_dumped_snapshot_reads_back_in_explain(runs: dict[str, Future[Any]]) -> None:

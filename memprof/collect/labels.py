@@ -87,7 +87,8 @@ class LabelHooks:
             if event["action"] == "alloc":
                 key = id(event)
                 fallback = OTHER if key in alive else TEMPORARIES
-                labels.append([index, self._marks.get(key, fallback)])
+                known = self._tracker.known.get(key, fallback)
+                labels.append([index, self._marks.get(key, known)])
         return labels
 
     def _mark(self, t: torch.Tensor, category: str) -> None:

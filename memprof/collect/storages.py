@@ -105,6 +105,7 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
         self.events: list[Event] = []
         self.survivors: list[Event] = []
+        self.known: dict[int, str] = {}  # id(alloc event) -> category the tracker knows
         self._stacks = StackCapture()
         self._live: dict[int, _StorageRef] = {}
         self._addrs: set[int] = set()

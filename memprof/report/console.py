@@ -25,6 +25,7 @@ CATEGORY_NAMES = {
     "optimizer_state": "optimizer state",
     "activations": "activations",
     "temporaries": "temporaries",
+    "workspace": "library workspaces (cuBLAS)",
     "other": "other",
 }
 

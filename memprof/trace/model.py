@@ -36,8 +36,9 @@ GRADIENTS = "gradients"
 OPTIMIZER_STATE = "optimizer_state"
 ACTIVATIONS = "activations"
 TEMPORARIES = "temporaries"
+WORKSPACE = "workspace"  # a library's own buffers (cuBLAS workspaces): exact on a virtual GPU
 OTHER = "other"
-CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, OTHER)
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, WORKSPACE, OTHER)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.tensor import VirtualTensor
 from memprof.collect.virtual.workspaces import CublasWorkspaces, cublas_workspace_bytes
-from memprof.trace.model import AllocatorSettings
+from memprof.trace.model import WORKSPACE, AllocatorSettings
 
 _COLLECT = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
 
@@ -94,7 +94,10 @@ class VirtualRecorder(StorageTracker):
             with torch._C.DisableTorchFunction():
                 workspace = VirtualTensor(torch.empty(size, dtype=torch.uint8, device="meta"))
             self._held.append(workspace)
+            start = len(self.events)
             self._record(workspace, None, (), {})
+            self.known.update((id(e), WORKSPACE) for e in self.events[start:]
+                              if e["action"] == "alloc")
 
     def _op_frame(self) -> FrameType | None:
         frame = sys._getframe(1)
