@@ -7,7 +7,7 @@ import sys
 import typer
 
 from memprof import __version__
-from memprof.cli import check, explain, run
+from memprof.cli import check, explain, run, suggest
 from memprof.errors import MemprofError
 from memprof.report.text import visible
 
@@ -26,6 +26,7 @@ app.command(name="run", no_args_is_help=True,
                               "ignore_unknown_options": True})(run.run)
 app.command(name="explain", no_args_is_help=True)(explain.explain)
 app.command(name="check", no_args_is_help=True)(check.check)
+app.command(name="suggest")(suggest.suggest)
 
 
 def _version(value: bool) -> None:

@@ -182,6 +182,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         "rank": rank,
         "world_size": world,
         "cuda": recording.facts or None,
+        "model": recording.snapshot["memprof"].get("model") or None,
         **({"virtual_gpu": recording.virtual_gpu} if recording.virtual_gpu else {}),
     }
     write_snapshot(recording.snapshot, folder / names["snapshot"])

@@ -77,5 +77,6 @@ class CpuRecorder:
                 "complete": True,
                 "labels": [list(label) for label in self._labels],
                 "steps": list(self._hooks.steps),
+                "model": self._hooks.model,
             },
         }

@@ -21,6 +21,7 @@ from torch.optim.optimizer import (
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memprof.collect.model_facts import model_facts
 from memprof.collect.storages import Event, StorageTracker, tensors_in
 from memprof.trace.model import (
     ACTIVATIONS,
@@ -44,6 +45,8 @@ class LabelHooks:
 
     def __init__(self, tracker: StorageTracker) -> None:
         self.steps: list[int] = []
+        self.model: dict[str, Any] = {}  # model_facts(), filled by remove()
+        self._autocast: str | None = None  # CUDA autocast dtype seen in a forward
         self._tracker = tracker
         self._marks: dict[int, str] = {}  # id(alloc event) -> category
         self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -64,6 +67,8 @@ class LabelHooks:
     def remove(self) -> None:
         """Mark what the seen modules and optimizers hold now, then remove every hook."""
         try:
+            if len(self._modules):  # else the script's objects are gone: keep the last facts
+                self.model = model_facts(self._modules, self._optimizers, self._autocast)
             for module in list(self._modules):
                 for p in module.parameters(recurse=False):
                     self._mark_param(p)
@@ -115,6 +120,8 @@ class LabelHooks:
 
     def _on_forward(self, module: torch.nn.Module, args: object) -> None:
         self._modules.add(module)
+        if self._autocast is None and torch.is_autocast_enabled("cuda"):
+            self._autocast = str(torch.get_autocast_dtype("cuda")).removeprefix("torch.")
         for p in module.parameters(recurse=False):
             self._watch_param(p)
 
@@ -131,6 +138,8 @@ class LabelHooks:
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         self._mark_state(optimizer)
         self.steps.append(len(self._tracker.events))
+        if len(self.steps) <= 2:  # the state exists after a step; the objects may not at exit
+            self.model = model_facts(self._modules, self._optimizers, self._autocast)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._mark(t, ACTIVATIONS)

@@ -10,6 +10,7 @@ from typing import Any
 
 from memprof.analysis.layout import Layout, lay_out
 from memprof.collect import cuda
+from memprof.collect.apply import applied, requested
 from memprof.collect.cpu_recorder import CpuRecorder
 from memprof.collect.endings import stops
 from memprof.collect.launch import Outcome, Target, run
@@ -69,7 +70,7 @@ def run_profiled(target: Target, profile_to: Path | None, steps: int | None,
     if profiler is not None:
         profiler.start()
     try:
-        with stops(steps, seconds):
+        with stops(steps, seconds), applied(requested()):
             outcome = run(target)
     finally:
         if profiler is not None:

@@ -1,0 +1,54 @@
+"""The advice for one run and budget: the ranked remedies and the plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memprof.advise.budget import Budget
+from memprof.advise.peak import Peak, peak_of
+from memprof.advise.plan import Plan, Ranked, plan, rank
+from memprof.advise.remedies import Context, catalogue
+from memprof.advise.source import Run
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What ``memprof suggest`` answers."""
+
+    run: Run
+    budget: Budget
+    start: Peak
+    ranked: list[Ranked]
+    plan: Plan
+    context: Context
+
+
+def advise(run: Run, budget: Budget, gpus: int = 1) -> Advice:
+    """Rank the remedies that apply to ``run`` and plan a fit under ``budget``."""
+    start = peak_of(run.device)
+    ctx = Context(run.model, gpus, int(run.facts.get("world_size") or 1),
+                  _expandable_ratio(run, start), run.device.get("leak"))
+    remedies = catalogue(start, ctx)
+    return Advice(run, budget, start, rank(start, remedies), plan(start, remedies, budget.bytes),
+                  ctx)
+
+
+def _expandable_ratio(run: Run, start: Peak) -> float | None:
+    """The cache per allocated byte at the peak if the run's trace is replayed with
+    expandable segments (None when the run has no trace or uses them already)."""
+    conf = str(run.report.get("source", {}).get("allocator_conf") or "")
+    if run.snapshot is None or "expandable_segments:true" in conf.lower().replace(" ", ""):
+        return None
+    from memprof.analysis.explain import explain
+    from memprof.analysis.settings import parse_alloc_conf
+    from memprof.trace.load import load_snapshot
+
+    settings = parse_alloc_conf(",".join(filter(None, (conf, "expandable_segments:True"))))
+    findings = explain(load_snapshot(run.snapshot), str(run.snapshot), top=1,
+                       what_ifs=[settings])
+    device = next((d for d in findings.devices if d.device == run.device["device"]), None)
+    what_ifs = device.replay.what_if if device is not None and device.replay else []
+    if not what_ifs or not what_ifs[-1].peak_allocated_bytes:
+        return None
+    w = what_ifs[-1]
+    return max(0.0, w.peak_reserved_bytes / w.peak_allocated_bytes - 1)

@@ -1,0 +1,90 @@
+"""The peak's composition, and how it moves when a remedy changes what is held.
+
+Two moments can be the peak of a training step: the end of the forward pass or early
+backward, where activations pile up, and the optimizer step (every parameter, gradient and
+moment at once, with the step's temporaries). The run recorded one of them exactly; the
+other is rebuilt from the categories' own peaks. ``at_peak`` is the activation moment and
+``at_step`` the step, whichever was recorded. A remedy rescales categories at both; the
+new peak is the larger of the two, and the allocator's cache is kept in proportion
+(``cache_ratio``) unless an allocator remedy changes it. Savings are therefore counted
+only where bytes are alive at the peak, and never summed in isolation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from memprof.trace.model import (
+    ACTIVATIONS,
+    CATEGORIES,
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    OTHER,
+    PARAMETERS,
+    WORKSPACE,
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Bytes by category at the recorded peak and at the optimizer step, and the cache."""
+
+    at_peak: dict[str, int]
+    at_step: dict[str, int]
+    cache_ratio: float  # reserved-but-unallocated bytes per allocated byte
+
+    @property
+    def allocated(self) -> int:
+        return max(sum(self.at_peak.values()), sum(self.at_step.values()))
+
+    @property
+    def reserved(self) -> int:
+        return int(self.allocated * (1 + self.cache_ratio))
+
+    @property
+    def moment(self) -> dict[str, int]:
+        """The composition of whichever moment is the peak."""
+        return self.at_peak if sum(self.at_peak.values()) >= sum(self.at_step.values()) \
+            else self.at_step
+
+    def scaled(self, factors: dict[str, float], step_too: bool = True) -> Peak:
+        """Categories multiplied by ``factors`` (at the optimizer step too, by default)."""
+        def scale(held: dict[str, int]) -> dict[str, int]:
+            return {k: int(v * factors.get(k, 1.0)) for k, v in held.items()}
+        return replace(self, at_peak=scale(self.at_peak),
+                       at_step=scale(self.at_step) if step_too else self.at_step)
+
+    def with_state(self, category: str, change: int) -> Peak:
+        """``change`` bytes more (or fewer) in ``category`` wherever it holds any."""
+        def moved(held: dict[str, int]) -> dict[str, int]:
+            return {**held, category: max(0, held[category] + change)} if held[category] \
+                else held
+        return replace(self, at_peak=moved(self.at_peak), at_step=moved(self.at_step))
+
+    def added(self, category: str, extra: int) -> Peak:
+        """``extra`` bytes more in ``category`` at the recorded peak only."""
+        return replace(self, at_peak={**self.at_peak,
+                                      category: self.at_peak[category] + extra})
+
+
+def peak_of(device: dict[str, Any]) -> Peak:
+    """The model of a report device. If the recorded peak is the optimizer step (every
+    gradient and moment held, the activations gone), the other moment is the forward pass
+    at the activations' own peak; otherwise the other moment is the step, with the model
+    state at its own peaks."""
+    at_peak = {k: int(device["categories"].get(k, 0)) for k in CATEGORIES}
+    peaks = {k: int(v) for k, v in (device.get("category_peaks") or at_peak).items()}
+    kept = {k: at_peak[k] for k in (PARAMETERS, OPTIMIZER_STATE, WORKSPACE, OTHER)}
+    zero = dict.fromkeys(CATEGORIES, 0)
+    in_step = peaks.get(GRADIENTS, 0) > 0 and at_peak[GRADIENTS] >= 0.99 * peaks[GRADIENTS] \
+        and at_peak[ACTIVATIONS] < 0.5 * peaks.get(ACTIVATIONS, 0)
+    if in_step:
+        forward = {**zero, **kept, ACTIVATIONS: peaks[ACTIVATIONS]}
+        at_step, at_peak = at_peak, forward
+    else:
+        state = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, WORKSPACE, OTHER)
+        at_step = {**zero, **{k: peaks.get(k, 0) for k in state}}
+    allocated = device["peak"]["allocated_bytes"] or 1
+    reserved = device["peak"].get("reserved_at_peak_bytes") or device["peak"]["reserved_bytes"]
+    return Peak(at_peak, at_step, max(0.0, reserved / allocated - 1))

@@ -1,0 +1,316 @@
+"""The remedies ``memprof suggest`` knows: what each changes at the peak, what it costs,
+where it is described (the seed documents in ``../shared/seeds``), and the code change.
+
+Each savings model rescales the measured categories of this run (``peak.py``), so a
+remedy saves only bytes that are alive at the peak. A remedy that cannot apply to the run
+(no optimizer state to shrink, activations a sliver of the peak, one GPU for sharding) is
+not offered at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from memprof.advise.peak import Peak
+from memprof.analysis.allocator import MIN_BLOCK
+from memprof.collect.model_facts import SMALL_TENSOR
+from memprof.trace.model import (
+    ACTIVATIONS,
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    OTHER,
+    PARAMETERS,
+    TEMPORARIES,
+)
+
+SEEDS = {
+    "000": "seed 000 (system memory standing in for GPU memory: ZeRO, offload, accumulation)",
+    "001": "seed 001 (memory bandwidth: mixed precision, checkpointing, no_grad, ZeRO)",
+    "003": "seed 003 (out-of-memory causes and fixes: precision, accumulation, checkpointing,"
+           " 8-bit optimizers, offload)",
+    "004": "seed 004 (large-model training: mixed precision, INT8, checkpointing, ZeRO)",
+}
+BLOCK_INPUT_SHARE = 0.06  # a transformer block's input against the activations it saves
+MICRO_BATCHES = (2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a savings model may use: the run's model facts, the GPUs, the allocator's
+    what-if for expandable segments."""
+
+    model: dict[str, Any]
+    gpus: int = 1
+    world_size: int = 1
+    expandable_ratio: float | None = None  # cache per allocated byte with expandable segments
+    leak: dict[str, Any] | None = None  # the report's leak verdict
+
+    @property
+    def optimizer(self) -> dict[str, Any]:
+        optimizers = self.model.get("optimizers") or [{}]
+        return optimizers[0]
+
+    @property
+    def block(self) -> dict[str, Any] | None:
+        blocks = self.model.get("repeated_blocks") or []
+        return blocks[0] if blocks else None
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One remedy, its savings model applied through ``change``."""
+
+    key: str
+    title: str
+    group: str  # at most one remedy of a group in a plan
+    cost: int  # the planner's price: lower is cheaper to adopt
+    cost_text: str
+    seed: str
+    assumptions: str
+    change: Callable[[Peak], Peak]
+    snippet: str
+    verify: dict[str, Any] = field(default_factory=dict)  # how --verify applies it
+
+
+def catalogue(peak: Peak, ctx: Context) -> list[Remedy]:
+    """The remedies that apply to this run."""
+    found: list[Remedy] = []
+    moment = peak.moment
+    active = moment[ACTIVATIONS] + moment[TEMPORARIES]
+    busy = active >= 0.05 * peak.allocated
+    found += _precision(ctx, busy)
+    if busy:
+        found += _checkpointing(ctx) + _micro_batches(ctx)
+    found += _optimizer_state(peak, ctx) + _sharding(peak, ctx) + _model_state(peak, ctx)
+    found += _allocator(peak, ctx) + _hygiene(peak, ctx)
+    return found
+
+
+def _precision(ctx: Context, busy: bool) -> list[Remedy]:
+    if set(ctx.model.get("dtypes") or {"float32": 1}) != {"float32"}:
+        return []
+    amp = bool(ctx.model.get("autocast"))
+    pure = Remedy(
+        "pure_bf16", "bf16 weights, gradients and optimizer state", "precision", 9,
+        "numerics: bf16 weight updates lose small steps (keep fp32 master weights, or use"
+        " Kahan summation, where that matters)", SEEDS["004"],
+        "parameters, gradients and optimizer state halve"
+        + ("" if amp else "; activations and temporaries halve too"),
+        lambda p: p.scaled({PARAMETERS: 0.5, GRADIENTS: 0.5, OPTIMIZER_STATE: 0.5,
+                            **({} if amp else {ACTIVATIONS: 0.5, TEMPORARIES: 0.5})}),
+        "model = model.to(torch.bfloat16)  # before the optimizer is built")
+    if amp or not busy:
+        return [pure]
+
+    def autocast(p: Peak) -> Peak:
+        # bf16 copies of the weights are saved for backward: half the fp32 weights' bytes
+        return p.scaled({ACTIVATIONS: 0.5, TEMPORARIES: 0.5}, step_too=False).added(
+            ACTIVATIONS, p.at_peak[PARAMETERS] // 2)
+
+    return [Remedy(
+        "autocast", "bf16 autocast (mixed precision)", "precision", 3,
+        "numerics: bf16 matmuls (fp32 where CUDA's autocast lists keep it); faster on tensor"
+        " cores", SEEDS["004"],
+        "activations and temporaries halve (matmul inputs and outputs in bf16; norms, softmax"
+        " and losses stay fp32, so this is the best case); the bf16 weight copies saved for"
+        " backward add half the fp32 weights",
+        autocast,
+        'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+        "    loss = compute_loss(model, batch)  # the forward pass and the loss only\n"
+        "loss.backward()",
+        {"autocast": "bfloat16"}), pure]
+
+
+def _checkpointing(ctx: Context) -> list[Remedy]:
+    block = ctx.block
+    if block is None:
+        return []
+    n, name = block["count"], block["class"]
+
+    def keeping(segments: int) -> Callable[[Peak], Peak]:
+        kept = 1 / segments + BLOCK_INPUT_SHARE * segments / n
+        kept = min(1.0, kept)
+        return lambda p: p.scaled({ACTIVATIONS: kept, TEMPORARIES: kept}, step_too=False)
+
+    common = (f"the activations and temporaries at the peak are the {n} {name} blocks', evenly;"
+              f" a block's input is {BLOCK_INPUT_SHARE:.0%} of what it saves (a transformer"
+              " block)")
+    remedies = [Remedy(
+        "checkpoint_blocks", f"activation checkpointing of each {name} ({n} blocks)",
+        "checkpointing", 6, "compute: one more forward of each block in backward (~30%)",
+        SEEDS["003"], f"{common}; one block's activations are recomputed at a time",
+        keeping(n),
+        "from torch.utils.checkpoint import checkpoint\n\n"
+        f"# where the model calls its {name} modules, e.g. in its forward:\n"
+        f"for block in blocks:  # the {n} {name} modules\n"
+        "    x = checkpoint(block, x, use_reentrant=False)",
+        {"checkpoint": name})]
+    segments = round(math.sqrt(n))
+    if n >= 4 and segments < n:
+        remedies.append(Remedy(
+            "checkpoint_sqrt", f"checkpointing every {n // segments} {name} blocks"
+            f" ({segments} segments, about sqrt({n}))", "checkpointing", 5,
+            "compute: about one more forward pass in backward", SEEDS["004"],
+            f"{common}; one segment is recomputed at a time",
+            keeping(segments),
+            "from torch.utils.checkpoint import checkpoint_sequential\n\n"
+            f"# the {n} {name} modules, run in sequence:\n"
+            f"x = checkpoint_sequential(blocks, {segments}, x, use_reentrant=False)"))
+    return remedies
+
+
+def _micro_batches(ctx: Context) -> list[Remedy]:
+    return [Remedy(
+        f"micro_batch_{k}", f"micro-batch 1/{k} with {k} accumulation steps", "batch",
+        3 + k // 2, f"time: {k} forward/backward passes per optimizer step; same effective"
+        " batch", SEEDS["003"],
+        f"activations and temporaries scale with the batch: 1/{k} of them remain",
+        lambda p, k=k: p.scaled({ACTIVATIONS: 1 / k, TEMPORARIES: 1 / k}, step_too=False),
+        f"for i, batch in enumerate(loader):  # batches 1/{k} as large\n"
+        f"    loss = compute_loss(model, batch) / {k}\n"
+        "    loss.backward()\n"
+        f"    if (i + 1) % {k} == 0:\n"
+        "        optimizer.step()\n"
+        "        optimizer.zero_grad(set_to_none=True)",
+        {"micro_batch": k}) for k in MICRO_BATCHES]
+
+
+def _optimizer_state(peak: Peak, ctx: Context) -> list[Remedy]:
+    opt = ctx.optimizer
+    state = max(peak.at_step[OPTIMIZER_STATE], peak.at_peak[OPTIMIZER_STATE])
+    if not state:
+        return []
+    name = opt.get("class", "the optimizer")
+    found = []
+    numels = ctx.model.get("trainable_numels") or []
+    if name in ("Adam", "AdamW") and numels:
+        large = [n for n in numels if n >= SMALL_TENSOR]
+        # two fp32 moments become two uint8 ones and their fp32 absmax per 256 values
+        change = sum(2 * (_block(n) + _block(4 * -(-n // 256)) - _block(4 * n)) for n in large)
+        small = sum(n for n in numels if n < SMALL_TENSOR)
+        found.append(Remedy(
+            "optimizer_8bit", f"8-bit {name} (bitsandbytes)", "optimizer", 6,
+            "numerics: block-wise quantised moments (matches 32-bit Adam in its paper);"
+            " a dependency", SEEDS["003"],
+            f"moments take 2 bytes per parameter (and an fp32 scale per 256) instead of 8;"
+            f" tensors under 4,096 elements ({small:,} parameters here) keep 32-bit state",
+            lambda p: p.with_state(OPTIMIZER_STATE, change),
+            f"import bitsandbytes as bnb\n\noptimizer = bnb.optim.{name}8bit(model.parameters(),"
+            " lr=lr)"))
+        found.append(Remedy(
+            "optimizer_sgd", "SGD with momentum instead of Adam", "optimizer", 9,
+            "training: another optimizer, retune the learning rate", SEEDS["003"],
+            "one momentum buffer (4 bytes per parameter) instead of two moments (8)",
+            lambda p: p.scaled({OPTIMIZER_STATE: 0.5}),
+            "optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)"))
+        found.append(Remedy(
+            "optimizer_adafactor", "Adafactor instead of Adam", "optimizer", 8,
+            "training: another optimizer (factored second moments, no first moment)",
+            SEEDS["003"], "a row and a column vector per matrix: about 1% of Adam's state",
+            lambda p: p.scaled({OPTIMIZER_STATE: 0.01}),
+            "optimizer = torch.optim.Adafactor(model.parameters(), lr=lr)"))
+    found.append(Remedy(
+        "offload_optimizer", "optimizer state offloaded to CPU memory", "optimizer", 10,
+        "time: the step runs on the CPU or streams state over PCIe; host RAM for the state",
+        SEEDS["000"], "no optimizer state stays on the GPU",
+        lambda p: p.scaled({OPTIMIZER_STATE: 0.0}),
+        'ds_config = {"zero_optimization": {"stage": 2,\n'
+        '                                   "offload_optimizer": {"device": "cpu"}}}'))
+    return found
+
+
+def _block(size: int) -> int:
+    """The caching allocator's block for a request of ``size`` bytes (default settings)."""
+    return max(MIN_BLOCK, -(-size // MIN_BLOCK) * MIN_BLOCK)
+
+
+def _sharding(peak: Peak, ctx: Context) -> list[Remedy]:
+    n = ctx.gpus
+    if n < 2 or not peak.at_step[PARAMETERS]:
+        return []
+    stages = (
+        (1, {OPTIMIZER_STATE: 1 / n}, "optimizer state"),
+        (2, {OPTIMIZER_STATE: 1 / n, GRADIENTS: 1 / n}, "optimizer state and gradients"),
+        (3, {OPTIMIZER_STATE: 1 / n, GRADIENTS: 1 / n, PARAMETERS: 1 / n},
+         "optimizer state, gradients and parameters"))
+    snippets = {
+        1: "from torch.distributed.optim import ZeroRedundancyOptimizer\n\n"
+           "optimizer = ZeroRedundancyOptimizer(model.parameters(),"
+           " optimizer_class=torch.optim.AdamW, lr=lr)",
+        2: 'ds_config = {"zero_optimization": {"stage": 2}}',
+        3: "from torch.distributed.fsdp import fully_shard\n\n"
+           "for module in model.modules():\n"
+           f"    if type(module).__name__ == {(ctx.block or {}).get('class', 'Block')!r}:\n"
+           "        fully_shard(module)\nfully_shard(model)"}
+    return [Remedy(
+        f"zero_{stage}", f"ZeRO-{stage}{' / FSDP' if stage == 3 else ''} over {n} GPUs",
+        "sharding", 6 + stage, f"infrastructure: {n} GPUs and their communication",
+        SEEDS["000"], f"{what} split {n} ways (ZeRO paper: per GPU"
+        f" {['4P + 12P/N', '2P + 14P/N', '16P/N'][stage - 1]} bytes of mixed-precision Adam"
+        " state); the parameters of the layer being computed, gathered, are not counted",
+        lambda p, f=factors: p.scaled(f), snippets[stage])
+        for stage, factors, what in stages]
+
+
+def _model_state(peak: Peak, ctx: Context) -> list[Remedy]:
+    params = ctx.model.get("parameters", 0)
+    trainable = ctx.model.get("trainable", params)
+    found = []
+    if params and trainable == params and peak.at_step[GRADIENTS]:
+        found.append(Remedy(
+            "lora", "LoRA adapters on a frozen model", "finetune", 12,
+            "training: fine-tunes low-rank adapters only (a different model update)",
+            SEEDS["004"], "adapters hold about 1% of the parameters: gradients and optimizer"
+            " state shrink to 1%", lambda p: p.scaled({GRADIENTS: 0.01, OPTIMIZER_STATE: 0.01}),
+            "from peft import LoraConfig, get_peft_model\n\n"
+            'model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))'))
+    if params and trainable < params and ctx.model.get("dtypes", {}).get("float32"):
+        frozen_share = (params - trainable) / params
+        found.append(Remedy(
+            "int8_frozen", "INT8 weights for the frozen parameters", "quantise", 12,
+            "numerics: weight-only quantisation of frozen layers", SEEDS["004"],
+            f"frozen fp32 weights ({frozen_share:.0%} of the parameters) take 1 byte instead"
+            " of 4", lambda p: p.scaled({PARAMETERS: 1 - 0.75 * frozen_share}),
+            "from torchao.quantization import int8_weight_only, quantize_\n\n"
+            "quantize_(frozen_part, int8_weight_only())"))
+    return found
+
+
+def _hygiene(peak: Peak, ctx: Context) -> list[Remedy]:
+    """Fixes that cost nothing: a leak, DDP's gradient buckets."""
+    found = []
+    leak = ctx.leak
+    if leak and leak.get("growth_per_step_bytes"):
+        grown = leak["growth_per_step_bytes"] * max(1, int(leak.get("steps") or 1) - 1)
+        site = (leak.get("site") or {}).get("site", "the site that grew")
+        found.append(Remedy(
+            "fix_leak", f"fix the leak at {site}", "leak", 1, "none: a bug fix", SEEDS["003"],
+            f"the {grown:,} bytes it grew over the run are not held at the peak",
+            lambda p: p.with_state(OTHER, -grown),
+            "total_loss += loss.item()  # a float, not the tensor: a tensor keeps its graph"))
+    if ctx.world_size > 1 and peak.at_step[GRADIENTS]:
+        found.append(Remedy(
+            "bucket_view", "DDP gradient_as_bucket_view=True", "ddp", 1,
+            "none (gradients become views into DDP's buckets)", SEEDS["000"],
+            "DDP's bucket copy of the gradients (as large as the gradients) is not held",
+            lambda p: p.with_state(OTHER, -p.at_step[GRADIENTS]),
+            "model = DistributedDataParallel(model, gradient_as_bucket_view=True)"))
+    return found
+
+
+def _allocator(peak: Peak, ctx: Context) -> list[Remedy]:
+    ratio = ctx.expandable_ratio
+    if ratio is None or ratio >= peak.cache_ratio:
+        return []
+    return [Remedy(
+        "expandable_segments", "allocator: expandable_segments:True", "allocator", 1,
+        "none (PyTorch's allocator setting)", SEEDS["003"],
+        "the cache is what memprof's allocator replay of this run gives with expandable"
+        " segments, kept in proportion as the peak moves",
+        lambda p: replace(p, cache_ratio=ratio),
+        'import os\n\nos.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"'
+        "  # before the first CUDA call",
+        {"alloc_conf": "expandable_segments:True"})]

@@ -1,0 +1,158 @@
+"""The advice on the console and as JSON (inside the one report schema)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from memprof.advise.advice import Advice
+from memprof.advise.peak import Peak
+from memprof.advise.plan import Ranked
+from memprof.report.console import CATEGORY_NAMES
+from memprof.report.json import SCHEMA
+from memprof.report.text import plain, visible
+from memprof.report.units import format_bytes as fb
+
+Measured = dict[str, Peak | None]
+
+
+def render(advice: Advice, console: Console, measured: Measured | None = None,
+           batch: dict[str, Any] | None = None) -> None:
+    """Print the advice: where the run stands, the ranked remedies, the plan, and what
+    ``--verify`` and ``--fit-batch`` measured."""
+    start, budget = advice.start, advice.budget
+    console.print(Text.assemble(("memprof suggest ", "bold"), visible(advice.run.path)))
+    console.print(plain(f"Budget: {budget.read_as}"))
+    where = "predicted for " + advice.run.facts["virtual_gpu"]["spec"] \
+        if advice.run.facts.get("virtual_gpu") else advice.run.facts.get("device", "recorded")
+    console.print(plain(f"Peak now: {fb(start.reserved)} reserved ({fb(start.allocated)}"
+                        f" allocated; {visible(where)})"))
+    if advice.run.inferred:
+        console.print("Categories inferred from stacks (a snapshot without memprof's labels):"
+                      " savings are rougher.")
+    gap = start.reserved - budget.bytes
+    if gap <= 0:
+        console.print(Text(f"Already within the budget, with {fb(-gap)} to spare.", "green"))
+    else:
+        console.print(Text(f"Over the budget by {fb(gap)}.", "bold red"))
+    if advice.ranked:
+        console.print(_ranking(advice.ranked, measured))
+    if measured is not None:
+        console.print(_measured_note(advice, measured))
+    if gap > 0:
+        console.print(_plan(advice))
+    if batch is not None:
+        largest = batch["largest"]
+        console.print(Text(
+            f"\nLargest --{batch['arg']} that fits: {largest}" if largest else
+            f"\nNo --{batch['arg']} fits, not even 1", "bold"), f"({batch['runs']} runs)")
+
+
+def _ranking(ranked: list[Ranked], measured: Measured | None) -> Table:
+    t = Table(title="Remedies for this run, by bytes saved at the peak (each alone)",
+              title_justify="left", header_style="bold", box=None)
+    columns = ["remedy", "saves", "peak then", *(["measured peak"] if measured else []),
+               "cost"]
+    for name in columns:
+        t.add_column(name, justify="left" if name in ("remedy", "cost") else "right")
+    for r in ranked:
+        if r.remedy.group == "batch" and r.remedy.verify["micro_batch"] > 4:
+            continue  # the plan may use them; the table keeps to 1/2 and 1/4
+        row = [r.remedy.title, fb(r.saved), fb(r.peak.reserved)]
+        if measured is not None:
+            row.append(_shown(measured, r.remedy.key))
+        t.add_row(*row, r.remedy.cost_text.split(":")[0])
+    return t
+
+
+def _shown(measured: Measured, key: str) -> str:
+    if key not in measured:
+        return "estimate only"
+    peak = measured[key]
+    return "out of memory" if peak is None else fb(peak.reserved)
+
+
+def _measured_note(advice: Advice, measured: Measured) -> Text:
+    base = measured.get("baseline")
+    text = "Measured by re-running the script"
+    if base is not None:
+        text += f" (as recorded, over the same steps: {fb(base.reserved)} reserved)"
+    if advice.plan.steps and "plan" not in measured:
+        text += "; the plan has steps memprof cannot apply itself, so it is estimated only"
+    if "plan" in measured and advice.plan.steps:
+        plan = measured["plan"]
+        text += (f"; the plan's remedies together: {_shown(measured, 'plan')}"
+                 f" (estimated {fb(advice.plan.final(advice.start).reserved)})")
+        if plan is not None and base is not None:
+            text += f", saving {fb(base.reserved - plan.reserved)}"
+    idle = [r.remedy.title for r in advice.ranked if base is not None
+            and (m := measured.get(r.remedy.key)) is not None and m.reserved >= base.reserved]
+    if idle:
+        text += (f". No change when memprof applied {', '.join(idle)}: the script may set it"
+                 " itself (e.g. autocast(enabled=False) behind a flag); change it there")
+    return Text(text + ".", "dim")
+
+
+def _plan(advice: Advice) -> Group:
+    plan, parts = advice.plan, []
+    if plan.fits:
+        parts.append(Text(f"Plan: {len(plan.steps)} step(s) to fit {fb(advice.budget.bytes)}",
+                          "bold"))
+    else:
+        final = plan.final(advice.start)
+        moment = final.moment
+        top = max(moment, key=lambda k: moment[k])
+        parts.append(Text(
+            f"Nothing fits: the smallest reachable peak is {fb(final.reserved)}, with"
+            f" {CATEGORY_NAMES[top]} the largest part ({fb(moment[top])}). The steps that reach"
+            " it:", "bold red"))
+    for i, step in enumerate(plan.steps, 1):
+        r = step.remedy
+        parts.append(Text(f"\n{i}. {r.title}: peak {fb(step.peak.reserved)} reserved"
+                          f" ({r.cost_text}; {r.seed})", "bold"))
+        parts.append(Text(f"   assumes: {r.assumptions}", "dim"))
+        parts.append(Syntax(r.snippet, "python", theme="ansi_dark", background_color="default"))
+    return Group(Text(""), *parts)
+
+
+def as_json(advice: Advice, measured: Measured | None = None,
+            batch: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The advice in the report schema: ``command: suggest`` and a ``suggest`` entry."""
+    verified = measured or {}
+    start = advice.start
+
+    def peak(p: Peak | None) -> dict[str, int] | None:
+        return None if p is None else {"reserved_bytes": p.reserved,
+                                       "allocated_bytes": p.allocated}
+
+    return {
+        "schema": SCHEMA,
+        "command": "suggest",
+        "source": {"path": str(advice.run.path), "categories_inferred": advice.run.inferred},
+        "units": "bytes",
+        "suggest": {
+            "budget": {"bytes": advice.budget.bytes, "read_as": advice.budget.read_as},
+            "current": peak(start),
+            "fits_now": start.reserved <= advice.budget.bytes,
+            "remedies": [{
+                "key": r.remedy.key, "title": r.remedy.title, "saved_bytes": r.saved,
+                "peak": peak(r.peak), "cost": r.remedy.cost_text, "seed": r.remedy.seed,
+                "assumptions": r.remedy.assumptions, "snippet": r.remedy.snippet,
+                "measured": peak(verified[r.remedy.key]) if r.remedy.key in verified else None,
+                "verified": r.remedy.key in verified,
+            } for r in advice.ranked],
+            "plan": {
+                "fits": advice.plan.fits,
+                "steps": [{"key": s.remedy.key, "peak": peak(s.peak)}
+                          for s in advice.plan.steps],
+                "peak": peak(advice.plan.final(start)),
+                "measured": peak(verified["plan"]) if "plan" in verified else None,
+            },
+            "baseline_measured": peak(verified["baseline"]) if "baseline" in verified else None,
+            "fit_batch": batch,
+        },
+    }

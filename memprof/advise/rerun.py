@@ -1,0 +1,162 @@
+"""Re-run a recorded run with a remedy applied, and read its peak: ``--verify`` and
+``--fit-batch``.
+
+The command comes from the run's report (``run.command``); it runs again as ``memprof
+run`` in a subprocess, on the same virtual GPU (or the CPU recorder, or the GPU) as the
+original, stopped after a few optimizer steps, from the current folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memprof.advise.peak import Peak, peak_of
+from memprof.advise.source import Run
+from memprof.errors import MemprofError
+
+RERUN_STEPS = 3  # the peak of a training step shows by its second or third step
+MAX_BATCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """How to re-run a run: its target, where it ran, how many steps."""
+
+    target: list[str]  # [-m] name args...
+    where: list[str]  # --virtual-gpu SPEC, --device cpu or --device cuda
+    steps: int | None
+    alloc_conf: str
+
+    @classmethod
+    def of(cls, run: Run) -> Rerun:
+        facts = run.facts
+        command = facts.get("command")
+        if not isinstance(command, list) or len(command) < 3 or command[:2] != ["memprof", "run"]:
+            raise MemprofError(f"{run.path}: not the report of a memprof run (a snapshot or an"
+                               " explain report): --verify and --fit-batch re-run its script")
+        virtual = facts.get("virtual_gpu")
+        where = ["--virtual-gpu", virtual["spec"]] if isinstance(virtual, dict) else \
+            ["--device", "cpu" if facts.get("predicted") else "cuda"]
+        done = facts.get("optimizer_steps") or 0
+        return cls([str(c) for c in command[2:]], where,
+                   min(done, RERUN_STEPS) if done else None,
+                   str(facts.get("allocator_conf") or ""))
+
+    def peak(self, args: list[str] | None = None, apply: dict[str, Any] | None = None,
+             alloc_conf: str | None = None) -> Peak | None:
+        """The peak of the run with the script's ``args`` replaced, remedies applied in the
+        script's process, or other allocator settings; None if it ran out of memory."""
+        target = self.target if args is None else [*self.target[:self.target.index(
+            self.script) + 1], *args]
+        conf = alloc_conf if alloc_conf is not None else self.alloc_conf
+        with tempfile.TemporaryDirectory(prefix="memprof-suggest-") as scratch:
+            out = Path(scratch) / "run"
+            argv = [sys.executable, "-m", "memprof", "run", "-o", str(out), *self.where,
+                    *(["--steps", str(self.steps)] if self.steps else []),
+                    *(["--alloc-conf", conf] if conf else []), *target]
+            env = {**os.environ, "MEMPROF_APPLY": json.dumps(apply or {})}
+            done = subprocess.run(argv, capture_output=True, text=True, env=env)
+            report = out / "report.json"
+            if not report.is_file():
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise MemprofError(f"re-running {' '.join(target)} failed: {last[:200]}")
+            data = json.loads(report.read_text())
+        if data["run"]["exit"]["status"] == "raised" and any(d.get("oom") for d in data["devices"]):
+            return None
+        if not data["devices"]:
+            raise MemprofError(f"re-running {' '.join(target)}: it made no CUDA tensor")
+        return peak_of(max(data["devices"], key=lambda d: d["peak"]["reserved_bytes"]))
+
+    @property
+    def script(self) -> str:
+        return self.target[1] if self.target[0] == "-m" else self.target[0]
+
+    @property
+    def args(self) -> list[str]:
+        return self.target[self.target.index(self.script) + 1:]
+
+
+def with_arg(args: list[str], name: str, value: int) -> list[str]:
+    """``args`` with ``--name`` set to ``value`` (``--name V`` or ``--name=V``; appended when
+    absent)."""
+    flag = f"--{name.lstrip('-')}"
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg == flag and i + 1 < len(out):
+            out[i + 1] = str(value)
+            return out
+        if arg.startswith(flag + "="):
+            out[i] = f"{flag}={value}"
+            return out
+    return [*out, flag, str(value)]
+
+
+def value_of(args: list[str], name: str) -> int:
+    """The integer value of ``--name`` in ``args`` (MemprofError when absent)."""
+    value = _value_of(args, name)
+    if value is None:
+        raise MemprofError(f"--batch-arg/--fit-batch {name}: the recorded command does not set"
+                           f" --{name.lstrip('-')} to a number; run it with the flag given"
+                           " explicitly")
+    return value
+
+
+def _value_of(args: list[str], name: str) -> int | None:
+    flag = f"--{name.lstrip('-')}"
+    for i, arg in enumerate(args):
+        text = args[i + 1] if arg == flag and i + 1 < len(args) else \
+            arg.split("=", 1)[1] if arg.startswith(flag + "=") else None
+        if text is not None:
+            return int(text) if text.isdigit() else None
+    return None
+
+
+def fit_batch(rerun: Rerun, name: str, budget: int,
+              progress: Callable[[int, Peak | None], None] | None = None
+              ) -> tuple[int | None, int]:
+    """The largest value of ``--name`` whose peak fits ``budget`` (None: not even 1), by
+    doubling or halving from the recorded value, then bisection; and the runs it took."""
+    runs = 0
+
+    def fits(value: int) -> bool:
+        nonlocal runs
+        runs += 1
+        peak = rerun.peak(with_arg(rerun.args, name, value))
+        if progress is not None:
+            progress(value, peak)
+        return peak is not None and peak.reserved <= budget
+
+    value = value_of(rerun.args, name)
+    if fits(value):
+        low, high = value, None
+        while high is None and low < MAX_BATCH:
+            if fits(low * 2):
+                low *= 2
+            else:
+                high = low * 2
+        if high is None:
+            return low, runs
+    else:
+        low, high = 0, value
+        while low == 0 and high > 1:
+            if fits(high // 2):
+                low = high // 2
+            else:
+                high //= 2
+        if low == 0:
+            return None, runs
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low, runs

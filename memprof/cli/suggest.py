@@ -1,0 +1,97 @@
+"""``memprof suggest``: the remedies that make a run fit a memory budget, ranked, planned."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from memprof.errors import MemprofError
+
+
+def suggest(
+    source: Annotated[Path | None, typer.Argument(
+        help="A run folder, its report.json, or a PyTorch snapshot (default: the newest run"
+        " folder under reports/).", show_default=False)] = None,
+    budget: Annotated[str, typer.Option(
+        "--budget", "-b", help="The memory to fit in: 24GB (decimal), 24GiB or 24G (binary),"
+        " 24000MB, bytes, or a card (A10, 'A100 40GB': its memory less the CUDA context).",
+        show_default=False)] = "",
+    gpus: Annotated[int, typer.Option(
+        "--gpus", min=1, help="GPUs the job may use: 2 or more enables ZeRO/FSDP.")] = 1,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Re-run the script (as its report recorded it, a few steps, on the"
+        " same virtual GPU) with each remedy memprof can apply itself (autocast,"
+        " checkpointing of the repeated blocks, allocator settings, micro-batches with"
+        " --batch-arg) and show the measured peaks next to the estimates.")] = False,
+    batch_arg: Annotated[str | None, typer.Option(
+        "--batch-arg", metavar="NAME", help="The script's batch-size flag (e.g. batch for"
+        " --batch 8): lets --verify measure micro-batches.", show_default=False)] = None,
+    fit_batch: Annotated[str | None, typer.Option(
+        "--fit-batch", metavar="NAME", help="Find the largest value of the script's --NAME"
+        " whose peak fits the budget, by re-running it (doubling, then bisection).",
+        show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print the advice as JSON (the report schema) instead.")] = False,
+) -> None:
+    """Rank the remedies for a run's peak memory by the bytes each saves in THIS run, and
+    plan the cheapest combination that fits the budget, with the code change for each step.
+
+    Savings come from the run's own breakdown (parameters, gradients, optimizer state,
+    activations, temporaries, the allocator's cache) and its model facts (parameter counts,
+    optimizer, repeated blocks); each model's assumptions are printed with the plan.
+    Exit 0 when the plan fits (or the run already does), 1 when nothing fits, 2 on bad
+    input.
+
+    Examples: `memprof suggest --budget 24GB`, `memprof suggest reports/train-1/ --budget
+    A10`, `memprof suggest snapshot.pickle --budget 40GiB --gpus 8 --json`.
+    """
+    from memprof.advise.advice import advise
+    from memprof.advise.budget import parse_budget
+    from memprof.advise.render import as_json as to_json
+    from memprof.advise.render import render
+    from memprof.advise.source import load_run, newest_run
+
+    if not budget:
+        raise MemprofError("--budget is required: the memory to fit in, e.g. --budget 24GB"
+                           " or --budget A10")
+    try:
+        chosen = parse_budget(budget)
+    except ValueError as exc:
+        raise MemprofError(str(exc)) from None
+    run = load_run(source if source is not None else newest_run(Path("reports")))
+    advice = advise(run, chosen, gpus)
+    notes = Console(stderr=True, soft_wrap=True, highlight=False)
+    measured, batch = None, None
+    if verify or fit_batch:
+        from memprof.advise.rerun import Rerun
+
+        rerun = Rerun.of(run)
+        if verify:
+            from memprof.advise.verify import verify as measure
+
+            measured = measure(advice, rerun, batch_arg,
+                               lambda what: notes.print(f"memprof: measuring {what} ..."))
+        if fit_batch:
+            batch = _fit(rerun, fit_batch, chosen.bytes, notes)
+    if as_json:
+        typer.echo(json.dumps(to_json(advice, measured, batch), indent=2))
+    else:
+        render(advice, Console(soft_wrap=True), measured, batch)
+    fits = advice.start.reserved <= chosen.bytes or advice.plan.fits
+    raise typer.Exit(0 if fits else 1)
+
+
+def _fit(rerun: object, name: str, budget: int, notes: Console) -> dict[str, object]:
+    from memprof.advise.rerun import fit_batch
+    from memprof.report.units import format_bytes
+
+    def progress(value: int, peak: object) -> None:
+        shown = "out of memory" if peak is None else f"{format_bytes(peak.reserved)} reserved"
+        notes.print(f"memprof: --{name} {value}: {shown}")
+
+    value, runs = fit_batch(rerun, name, budget, progress)  # type: ignore[arg-type]
+    return {"arg": name, "largest": value, "runs": runs}

@@ -1,0 +1,100 @@
+"""Remedies memprof applies to an unmodified script, for ``memprof suggest --verify``.
+
+``MEMPROF_APPLY`` (JSON) names them: ``{"autocast": "bfloat16"}`` runs each outermost
+module call (the forward pass) under CUDA autocast; ``{"checkpoint": "Block"}`` runs every
+module of class ``Block`` under activation checkpointing (from its class's first forward
+on: the first call of the first instance runs as written).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+ENV = "MEMPROF_APPLY"
+
+
+def requested() -> dict[str, Any]:
+    """The remedies ``MEMPROF_APPLY`` asks for (empty when unset)."""
+    text = os.environ.get(ENV, "")
+    try:
+        asked = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return asked if isinstance(asked, dict) else {}
+
+
+@contextlib.contextmanager
+def applied(asked: dict[str, Any]) -> Iterator[None]:
+    """Apply ``asked`` (see the module doc) for the duration of the block."""
+    with contextlib.ExitStack() as stack:
+        dtype = asked.get("autocast")
+        if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+            stack.enter_context(_autocast_forward(getattr(torch, dtype)))
+        block = asked.get("checkpoint")
+        if isinstance(block, str):
+            stack.enter_context(_checkpointing(block))
+        yield
+
+
+@contextlib.contextmanager
+def _autocast_forward(dtype: torch.dtype) -> Iterator[None]:
+    """CUDA autocast around each outermost module call (the forward pass), as the
+    recipe has it: not around backward or the optimizer step."""
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    open_: list[tuple[torch.nn.Module, torch.autocast]] = []
+
+    def enter(module: torch.nn.Module, args: object) -> None:
+        if not open_ and torch.is_grad_enabled():
+            context = torch.autocast("cuda", dtype=dtype)
+            context.__enter__()
+            open_.append((module, context))
+
+    def leave(module: torch.nn.Module, args: object, output: object) -> None:
+        if open_ and open_[-1][0] is module:
+            open_.pop()[1].__exit__(None, None, None)
+
+    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _checkpointing(class_name: str) -> Iterator[None]:
+    patched: dict[type, Callable[..., Any]] = {}
+
+    def on_forward(module: torch.nn.Module, args: object) -> None:
+        cls = type(module)
+        if cls.__name__ == class_name and cls not in patched:
+            patched[cls] = cls.forward
+            cls.forward = _checkpointed(cls.forward)  # type: ignore[method-assign]
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(on_forward)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for cls, forward in patched.items():
+            cls.forward = forward  # type: ignore[method-assign]
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    def run(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(self, *args, **kwargs)
+        return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+    return run

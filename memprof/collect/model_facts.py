@@ -1,0 +1,74 @@
+"""What a run's model and optimizers were, for savings models (``memprof suggest``).
+
+Collected at the end of a recording from the modules and optimizers the label hooks saw:
+parameter counts by dtype and trainability, the tensors small enough that bitsandbytes
+keeps 32-bit state for them, the optimizers with the bytes of their state, the repeated
+blocks (the unit of activation checkpointing) and whether CUDA autocast was on in forward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from memprof.collect.storages import tensors_in
+
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+SMALL_TENSOR = 4096  # bitsandbytes keeps 32-bit optimizer state below this many elements
+
+
+def model_facts(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer],
+                autocast: str | None) -> dict[str, Any]:
+    """The ``model`` entry of a recording (JSON-ready)."""
+    modules = list(modules)
+    params = {id(p): p for m in modules for p in m.parameters(recurse=False)}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            params.update((id(p), p) for p in group["params"])
+    dtypes: Counter[str] = Counter()
+    for p in params.values():
+        dtypes[str(p.dtype).removeprefix("torch.")] += p.numel()
+    return {
+        "parameters": sum(p.numel() for p in params.values()),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+        "trainable": sum(p.numel() for p in params.values() if p.requires_grad),
+        "dtypes": dict(dtypes),
+        "small_tensor_elements": sum(p.numel() for p in params.values()
+                                     if p.numel() < SMALL_TENSOR),
+        "trainable_numels": sorted(p.numel() for p in params.values() if p.requires_grad),
+        "optimizers": [_optimizer(o) for o in optimizers],
+        "repeated_blocks": _repeated_blocks(modules),
+        "autocast": autocast,
+    }
+
+
+def _optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    state = [t for s in optimizer.state.values() for t in tensors_in(tuple(s.values()))]
+    defaults = optimizer.defaults
+    return {
+        "class": type(optimizer).__name__,
+        "state_bytes": sum(t.numel() * t.element_size() for t in state if t.dim() > 0),
+        "momentum": bool(defaults.get("momentum")),
+        "fused": bool(defaults.get("fused")),
+        "foreach": defaults.get("foreach"),
+    }
+
+
+def _repeated_blocks(modules: list[torch.nn.Module]) -> list[dict[str, Any]]:
+    """Module classes with parameters that occur more than once (transformer blocks, ...),
+    the largest first; containers and leaf layers are left out."""
+    by_class: dict[type, list[torch.nn.Module]] = {}
+    for m in modules:
+        if isinstance(m, _CONTAINERS) or not any(True for _ in m.children()):
+            continue
+        by_class.setdefault(type(m), []).append(m)
+    blocks = []
+    for cls, instances in by_class.items():
+        size = sum(p.numel() for p in instances[0].parameters())
+        if len(instances) > 1 and size:
+            blocks.append({"class": cls.__name__, "module": cls.__module__,
+                           "count": len(instances), "parameters_each": size})
+    return sorted(blocks, key=lambda b: -b["count"] * b["parameters_each"])
