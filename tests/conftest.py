@@ -16,11 +16,14 @@ FIXTURES = Path(os.environ.get("MEMPROF_FIXTURES",
                                ROOT.parent / "shared" / "fixtures" / "snapshots"))
 
 
+# the ground-truth runs' snapshots are real snapshots too
+GROUNDTRUTH_SNAPSHOTS = FIXTURES.parent / "groundtruth" / "snapshots"
+
+
 def fixture_files() -> list[Path]:
-    """Every snapshot in the shared fixtures folder (empty when it is absent)."""
-    if not FIXTURES.is_dir():
-        return []
-    return sorted(p for p in FIXTURES.iterdir() if p.suffix in (".pickle", ".pkl"))
+    """Every real snapshot in the shared fixtures folders (empty when they are absent)."""
+    return sorted(p for folder in (FIXTURES, GROUNDTRUTH_SNAPSHOTS) if folder.is_dir()
+                  for p in folder.iterdir() if p.suffix in (".pickle", ".pkl"))
 
 
 needs_fixtures = pytest.mark.skipif(

@@ -3,7 +3,9 @@
 It shares no code with memprof: it tracks occupied address ranges per segment and
 sizes each block by the rule behind ``torch.cuda.max_memory_allocated()`` (requests
 rounded to 512 bytes; a large-pool block whose remainder would be 1 MiB or less is
-not split and counts whole; with expandable segments, always split).
+not split and counts whole; with expandable segments, always split). A block allocated
+before the trace begins ends where the next block begins: one alive at the first event,
+or an allocation the trace places after it while it is still held.
 """
 
 from __future__ import annotations
@@ -68,9 +70,25 @@ def peak_allocated(raw: dict, device: int) -> tuple[int, int]:
         nxt = min(nxt, seg + seg_size[seg][0])
         return nxt - addr if nxt - (addr + rounded) <= MIB else rounded
 
+    # allocations after a pre-window block, within its unsplit remainder, while it is held
+    held_before = {a: -size for a, (size, _) in live.items() if size < 0}
+    ends: dict[int, int] = {}
+    for e in trace:
+        if e["action"] == "free_completed":
+            held_before.pop(e["addr"], None)
+        elif e["action"] == "alloc":
+            for a, requested in held_before.items():
+                lo = a + _round(requested)
+                if lo <= e["addr"] <= lo + MIB and e["addr"] < ends.get(a, 1 << 64):
+                    ends[a] = e["addr"]
+    for a in sorted(ends):
+        bisect.insort(occupied, ends[a])  # a sentinel: where the block is known to end
+
     sizes = {}
     for addr, (size, _) in live.items():
         sizes[addr] = block_size(addr, -size) if size < 0 else size
+    for a in ends:
+        occupied.pop(bisect.bisect_left(occupied, ends[a]))
     current = sum(sizes[a] for a, (_, counted) in live.items() if counted)
     peak = current
     held = {a: sizes[a] for a, (_, counted) in live.items() if counted}

@@ -10,7 +10,9 @@ from memprof.analysis.replay import replay
 from memprof.analysis.settings import parse_alloc_conf, unmodelled
 from memprof.trace import load_snapshot
 from memprof.trace.model import AllocatorSettings
+from memprof.trace.normalize import normalize
 from tests.conftest import fixture, fixture_files, load_raw, needs_fixtures
+from tests.independent import peak_allocated
 
 MIB = 1 << 20
 
@@ -188,3 +190,58 @@ def test_what_if_on_a_smaller_device():
                     what_ifs=[parse_alloc_conf("expandable_segments:True")]).devices[0]
     assert all(w.oom_event_index is not None for w in short.replay.what_if)
     assert all(w.oom_requested_bytes for w in short.replay.what_if)
+
+
+def _segment(base: int, total: int, blocks: list[tuple[int, int, str]]) -> dict:
+    """A large-pool segment whose blocks are ``(offset, size, state)``, the rest inactive."""
+    out, at = [], 0
+    for offset, size, state in blocks:
+        if offset > at:
+            out.append({"address": base + at, "size": offset - at, "requested_size": 0,
+                        "state": "inactive", "frames": []})
+        out.append({"address": base + offset, "size": size, "requested_size": size,
+                    "state": state, "frames": []})
+        at = offset + size
+    if at < total:
+        out.append({"address": base + at, "size": total - at, "requested_size": 0,
+                    "state": "inactive", "frames": []})
+    return {"device": 0, "address": base, "total_size": total, "stream": 0,
+            "segment_type": "large", "allocated_size": sum(b["size"] for b in out
+                                                           if b["state"] != "inactive"),
+            "active_size": 0, "requested_size": 0, "blocks": out}
+
+
+def _event(action: str, addr: int, size: int) -> dict:
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "frames": []}
+
+
+def test_a_pre_window_block_ends_where_the_trace_allocates_after_it():
+    # the case of issue 8: a 12.5 MiB request that held 13.125 MiB (its 640 KiB remainder
+    # was not split); a later allocation lands at its true end while it is still held
+    base, requested, held, total = 0x7F5AD8000000, 13_107_200, 13_762_560, 20 * MIB
+    trace = [_event("alloc", base + held, 2 * MIB),
+             _event("free_requested", base, requested),
+             _event("free_completed", base, requested)]
+    raw = {"segments": [_segment(base, total, [(held, 2 * MIB, "active_allocated")])],
+           "device_traces": [trace]}
+    d = explain(normalize(raw)).devices[0]
+    assert d.blocks_before_window == 1
+    assert d.peak_allocated_bytes == held + 2 * MIB == peak_allocated(raw, 0)[0]
+    assert (d.replay.addresses_matched, d.replay.addresses_total) == (1, 1)
+    assert d.replay.note == "every decision and block address reproduced"
+
+
+def test_the_verdict_counts_block_addresses_the_model_did_not_reproduce():
+    # best fit reuses the freed 2 MiB hole at the segment's start; the recording did not
+    base, total = 0x10000000, 20 * MIB
+    trace = [_event("alloc", base, 2 * MIB), _event("alloc", base + 2 * MIB, 2 * MIB),
+             _event("free_requested", base, 2 * MIB), _event("free_completed", base, 2 * MIB),
+             _event("alloc", base + 4 * MIB, 2 * MIB)]
+    segment = _segment(base, total, [(2 * MIB, 2 * MIB, "active_allocated"),
+                                     (4 * MIB, 2 * MIB, "active_allocated")])
+    trace.insert(0, _event("segment_alloc", base, total))
+    d = explain(normalize({"segments": [segment], "device_traces": [trace]})).devices[0]
+    r = d.replay
+    assert (r.decisions_matched, r.decisions_total) == (3, 3)
+    assert (r.addresses_matched, r.addresses_total) == (2, 3)
+    assert r.note == "1 block addresses differ, the first at event 5"

@@ -109,6 +109,7 @@ class CachingAllocator:
         # free blocks per (pool id, small?), kept sorted by (stream, size, addr)
         self._free: dict[tuple[tuple[int, int], bool], list[tuple[int, int, int]]] = {}
         self._blocks: dict[int, Block] = {}  # every block, by start address
+        self._starts: list[int] = []  # the same addresses, sorted: which block holds an address
         self.segments: dict[int, Segment] = {}
         self.allocated = 0  # block bytes held by tensors (max_memory_allocated's stat)
         self.requested = 0
@@ -168,7 +169,7 @@ class CachingAllocator:
         block = Block(addr, total, seg)
         seg.first = block
         self.segments[addr] = seg
-        self._blocks[addr] = block
+        self._index(block)
         self._insert_free(block)
         self.reserved += total
         group = seg.group = self.groups.setdefault((pool, seg.small, stream), [0, 0, 0])
@@ -181,7 +182,7 @@ class CachingAllocator:
         block = seg.first
         assert block is not None and block.next is None and block.cached
         self._remove_free(block)
-        del self._blocks[block.addr]
+        self._unindex(block.addr)
         del self.segments[seg.addr]
         self.reserved -= seg.total
         seg.group[0] -= 1
@@ -191,14 +192,10 @@ class CachingAllocator:
         return self._blocks.get(addr)
 
     def containing(self, addr: int) -> Block | None:
-        """The block whose range holds ``addr`` (slow path: scans segments)."""
-        for seg in self.segments.values():
-            if seg.addr <= addr < seg.addr + seg.total:
-                b = seg.first
-                while b is not None and not (b.addr <= addr < b.addr + b.size):
-                    b = b.next
-                return b
-        return None
+        """The block whose range holds ``addr``."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        block = self._blocks[self._starts[i]] if i >= 0 else None
+        return block if block is not None and addr < block.addr + block.size else None
 
     def free_stats(self) -> FreeBlockStats:
         """Cached free memory now: total, largest block (what a request can get), count."""
@@ -399,7 +396,7 @@ class CachingAllocator:
         else:
             tail = Block(addr, size, seg)
             tail.prev, last.next = last, tail
-            self._blocks[addr] = tail
+            self._index(tail)
             self._insert_free(tail)
         seg.total += size
         self.reserved += size
@@ -410,7 +407,7 @@ class CachingAllocator:
         """Unmap free pages ``[addr, addr + size)`` (segment_unmap), cutting their range in two."""
         block = self._take(addr, size)
         seg, before, after = block.seg, block.prev, block.next
-        del self._blocks[block.addr]
+        self._unindex(block.addr)
         group = seg.group
         group[0] -= 1
         group[1] -= seg.total
@@ -483,9 +480,8 @@ class CachingAllocator:
 
     def _merge(self, block: Block, other: Block) -> None:
         self._remove_free(other)
-        del self._blocks[other.addr]
         if other is block.prev:
-            del self._blocks[block.addr]
+            self._unindex(block.addr)
             block.addr = other.addr
             block.prev = other.prev
             if other.prev is not None:
@@ -494,6 +490,7 @@ class CachingAllocator:
                 block.seg.first = block
             self._blocks[block.addr] = block
         else:
+            self._unindex(other.addr)
             block.next = other.next
             if other.next is not None:
                 other.next.prev = block
@@ -527,7 +524,7 @@ class CachingAllocator:
             block.next.prev = rest
         block.next = rest
         block.size = size
-        self._blocks[rest.addr] = rest
+        self._index(rest)
         self._insert_free(rest)
         return rest
 
@@ -539,6 +536,14 @@ class CachingAllocator:
         block.seg.group[2] += block.size
         self.requested += requested
         return block
+
+    def _index(self, block: Block) -> None:
+        self._blocks[block.addr] = block
+        bisect.insort(self._starts, block.addr)
+
+    def _unindex(self, addr: int) -> None:
+        del self._blocks[addr]
+        del self._starts[bisect.bisect_left(self._starts, addr)]
 
     def _insert_free(self, block: Block) -> None:
         bisect.insort(block.seg.free_keys, (block.seg.stream, block.size, block.addr))

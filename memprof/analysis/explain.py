@@ -23,7 +23,7 @@ from memprof.analysis.findings import (
     Timeline,
 )
 from memprof.analysis.intervals import Intervals, intervals
-from memprof.analysis.replay import Moment, Replay, replay
+from memprof.analysis.replay import Check, Moment, Replay, replay
 from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
 from memprof.analysis.steps import find_leak, step_peaks
@@ -241,6 +241,20 @@ def _oom(describe: _Describer, moment: Moment, trace: DeviceTrace) -> Oom:
     )
 
 
+def _verdict(c: Check) -> str:
+    """What the replay check proved, in words: all reproduced only when every address was."""
+    wrong = []
+    if c.decisions_matched != c.decisions_total:
+        wrong.append(f"{c.decisions_total - c.decisions_matched:,} decisions differ, the first"
+                     f" at event {c.first_mismatch}")
+    if c.addresses_matched != c.addresses_total:
+        wrong.append(f"{c.addresses_total - c.addresses_matched:,} block addresses differ, the"
+                     f" first at event {c.first_address_mismatch}")
+    if c.inconsistencies:
+        wrong.append(f"{c.inconsistencies:,} events could not be placed")
+    return "; ".join(wrong) or "every decision and block address reproduced"
+
+
 def _replay_summary(snapshot: Snapshot, result: Replay, segments: list[Segment],
                     reserved: np.ndarray, what_ifs: Sequence[AllocatorSettings],
                     trace: DeviceTrace | None, device_memory: int | None) -> ReplaySummary:
@@ -252,9 +266,7 @@ def _replay_summary(snapshot: Snapshot, result: Replay, segments: list[Segment],
     predicted = np.concatenate([[result.initial_reserved], result.reserved_predicted])
     summary = ReplaySummary(
         modelled=not notes,
-        note="; ".join(notes) or (
-            "every decision reproduced" if c.decisions_matched == c.decisions_total
-            else f"first divergence at event {c.first_mismatch}"),
+        note="; ".join(notes) or _verdict(c),
         decisions_matched=c.decisions_matched,
         decisions_total=c.decisions_total,
         segments_predicted=c.segments_predicted,

@@ -10,6 +10,7 @@ allocation, the allocated/reserved timelines and the allocator state at the peak
 
 from __future__ import annotations
 
+import bisect
 from array import array
 from dataclasses import dataclass, field
 
@@ -50,7 +51,8 @@ class Check:
     addresses_total: int = 0
     addresses_matched: int = 0
     inconsistencies: int = 0
-    first_mismatch: int | None = None
+    first_mismatch: int | None = None  # first decision the simulator got wrong
+    first_address_mismatch: int | None = None
 
 
 @dataclass(slots=True)
@@ -134,6 +136,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     initial_by_addr = {b.addr: b for b in initial}
     decisions = matched = segments_predicted = segments_recorded = addresses = inconsistent = 0
     first_mismatch: int | None = None
+    first_address_mismatch: int | None = None
     pending: list[tuple[int, int, int, int]] = []  # segment growth, applied after predicting
     peak_value, peak = alloc.allocated, capture(alloc, -1)
     ooms: list[Moment] = []
@@ -178,6 +181,8 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                     segments_recorded += 1
                 if guess_addr == addr:
                     addresses += 1
+                elif first_address_mismatch is None:
+                    first_address_mismatch = i
                 delta_pred[i] = guess_growth
                 pending = []
                 try:
@@ -247,7 +252,8 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         check=Check(decisions_total=decisions, decisions_matched=matched,
                     segments_predicted=segments_predicted, segments_recorded=segments_recorded,
                     addresses_total=decisions, addresses_matched=addresses,
-                    inconsistencies=inconsistent, first_mismatch=first_mismatch),
+                    inconsistencies=inconsistent, first_mismatch=first_mismatch,
+                    first_address_mismatch=first_address_mismatch),
         final=capture(alloc, n - 1),
     )
 
@@ -303,11 +309,12 @@ def _rebuild_start(alloc: CachingAllocator, segments: list[Segment],
             alloc.map_pages(addr, total, stream, pool, small)
         else:
             alloc.add_segment(addr, total, stream, pool, small)
+    sizes = _pre_window_sizes(alloc, segs, live, trace)
     blocks = []
     for addr in sorted(live):
         size, requested, counted = live[addr]
-        if size is None:
-            size = _unsplit_size(alloc, addr, alloc.round_size(requested), live)
+        size = sizes.get(addr, size)
+        assert size is not None
         try:
             alloc.occupy(addr, size, requested, counted)
         except KeyError:
@@ -345,13 +352,63 @@ def _join(segs: dict[int, tuple], addr: int, size: int, stream: int) -> None:
     segs[addr] = (size, stream, (0, 0), small, True)
 
 
-def _unsplit_size(alloc: CachingAllocator, addr: int, rounded: int,
-                  live: dict[int, tuple[int | None, int, bool]]) -> int:
-    """A pre-window block's size: the large pool keeps a remainder of 1 MiB or less whole."""
-    block = alloc.containing(addr)
-    if block is None or block.seg.small or alloc.settings.expandable_segments:
-        return rounded
-    seg_end = block.seg.addr + block.seg.total
-    nxt = min((a for a in live if addr < a < seg_end), default=seg_end)
-    gap = nxt - (addr + rounded)
-    return nxt - addr if 0 <= gap <= SMALL_SIZE or rounded >= alloc.max_split else rounded
+def _pre_window_sizes(alloc: CachingAllocator, segs: dict[int, tuple],
+                      live: dict[int, tuple[int | None, int, bool]],
+                      trace: DeviceTrace | None) -> dict[int, int]:
+    """Block sizes of the blocks allocated before the window, which no snapshot records.
+
+    A request is rounded up; in the large pool of a non-expandable segment, PyTorch's
+    ``should_split`` keeps a remainder of 1 MiB or less in the block. The block then ends
+    where the next block begins: the next one alive at the window's start or, sooner, an
+    allocation inside the window placed after it while it was still held (an allocation
+    always takes the front of a free block, so the byte before it was occupied).
+    """
+    unknown = [(a, alloc.round_size(r)) for a, (size, r, _) in live.items() if size is None]
+    if not unknown:
+        return {}
+    starts = sorted(segs)
+    occupied = sorted(live)
+    evidence = _allocated_after(trace, unknown)
+    sizes = {}
+    for addr, rounded in unknown:
+        i = bisect.bisect_right(starts, addr) - 1
+        start = starts[i] if i >= 0 else -1
+        total, _, _, small, expandable = segs[start] if start >= 0 else (0, 0, 0, True, False)
+        if small or expandable or addr >= start + total:
+            sizes[addr] = rounded
+            continue
+        k = bisect.bisect_right(occupied, addr)
+        end = min(occupied[k] if k < len(occupied) else start + total, start + total,
+                  evidence.get(addr, start + total))
+        gap = end - (addr + rounded)
+        whole = 0 <= gap <= SMALL_SIZE or (rounded >= alloc.max_split and gap >= 0)
+        sizes[addr] = end - addr if whole else rounded
+    return sizes
+
+
+def _allocated_after(trace: DeviceTrace | None, blocks: list[tuple[int, int]]) -> dict[int, int]:
+    """For each pre-window block ``(addr, rounded)``: the lowest address in
+    ``[addr + rounded, addr + rounded + 1 MiB]`` that the trace allocates while it is held."""
+    if trace is None or not len(trace):
+        return {}
+    action = trace.action
+    completed = np.flatnonzero(action == _FREE_COMPLETED)
+    done_addr, first = np.unique(trace.addr[completed], return_index=True)
+    allocs = np.flatnonzero(action == _ALLOC)
+    order = np.argsort(trace.addr[allocs], kind="stable")
+    alloc_addr, alloc_index = trace.addr[allocs][order], allocs[order]
+    addr = np.array([b[0] for b in blocks], np.int64)
+    low = addr + np.array([b[1] for b in blocks], np.int64)
+    lo = np.searchsorted(alloc_addr, low, "left")
+    hi = np.searchsorted(alloc_addr, low + SMALL_SIZE, "right")
+    k = np.searchsorted(done_addr, addr)
+    found = (k < len(done_addr)) & (done_addr[np.minimum(k, len(done_addr) - 1)] == addr) \
+        if len(done_addr) else np.zeros(len(addr), bool)
+    freed = np.where(found, completed[first[np.minimum(k, max(len(first) - 1, 0))]]
+                     if len(first) else 0, len(trace))
+    out = {}
+    for j in np.flatnonzero(hi > lo).tolist():
+        held = np.flatnonzero(alloc_index[lo[j]:hi[j]] < freed[j])
+        if held.size:
+            out[int(addr[j])] = int(alloc_addr[lo[j] + held[0]])
+    return out
