@@ -64,6 +64,7 @@ def test_growth_below_one_percent_of_the_peak_is_no_growth() -> None:
 def test_flat_ends_are_no_growth() -> None:
     g = step_growth([5 * MIB, 9 * MIB, 9 * MIB, 9 * MIB, 9 * MIB], PEAK)
     assert (g.verdict, g.growth_bytes, g.grew_until_step) == (NO_GROWTH, 0, None)
+    assert step_growth([0] * MIN_STEPS, 0).verdict == NO_GROWTH
 
 
 def test_optimizer_state_growth_is_bounded_not_a_leak() -> None:

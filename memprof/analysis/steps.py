@@ -59,7 +59,7 @@ def step_growth(ends: Sequence[int], peak_allocated: int,
         return StepGrowth(TOO_FEW_STEPS, n, MIN_STEPS, optimizer_state_growth_bytes=state_growth)
     growth = int(kept.max() - kept[0])
     deltas = np.diff(kept)
-    significant = SIGNIFICANT * peak_allocated
+    significant = max(1.0, SIGNIFICANT * peak_allocated)
     if growth < significant or deltas[-1] <= 0:
         if max(growth, state_growth) < significant:
             return StepGrowth(NO_GROWTH, n, MIN_STEPS, growth,
