@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import memprof
+from memprof.analysis.steps import MIN_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "sample_scripts"
@@ -308,8 +309,8 @@ def test_mlp_activation_peak_is_what_autograd_saves(runs: dict[str, Future[Any]]
 
 def test_mlp_is_not_flagged_as_a_leak(runs: dict[str, Future[Any]]) -> None:
     device = sample_report(runs, "mlp")["devices"][0]
-    assert len(device["steps"]) >= 4  # enough steps for the leak check to look
-    assert device["leak"] is None
+    assert len(device["steps"]) >= MIN_STEPS  # enough steps for a verdict
+    assert device["leak"] is None and device["step_growth"]["verdict"] == "none"
 
 
 def _leak_line() -> int:
@@ -318,8 +319,9 @@ def _leak_line() -> int:
 
 
 def test_leak_sample_is_flagged_at_its_line(runs: dict[str, Future[Any]]) -> None:
-    leak = sample_report(runs, "leak")["devices"][0]["leak"]
-    assert leak is not None
+    device = sample_report(runs, "leak")["devices"][0]
+    leak = device["leak"]
+    assert leak is not None and device["step_growth"]["verdict"] == "leak"
     assert Path(leak["site"]["file"]).name == "leak.py"
     assert leak["site"]["line"] == _leak_line()
     # each step keeps one held-out forward's saved activations: the ReLU outputs and the
@@ -333,14 +335,14 @@ def test_leak_sample_is_flagged_at_its_line(runs: dict[str, Future[Any]]) -> Non
 def test_fixed_leak_sample_is_not_flagged(runs: dict[str, Future[Any]]) -> None:
     device = sample_report(runs, "leak_fixed")["devices"][0]
     assert len(device["steps"]) == LEAK["steps"]
-    assert device["leak"] is None
+    assert device["leak"] is None and device["step_growth"]["verdict"] == "none"
 
 
 @pytest.mark.parametrize("name", ["transformer", "cnn"])
 def test_other_samples_are_not_flagged(runs: dict[str, Future[Any]], name: str) -> None:
     device = sample_report(runs, name)["devices"][0]
     assert len(device["steps"]) == 5
-    assert device["leak"] is None
+    assert device["leak"] is None and device["step_growth"]["verdict"] == "none"
     peaks = device["category_peaks"]
     assert min(peaks[k] for k in ("parameters", "gradients", "optimizer_state",
                                   "activations")) > 0
@@ -353,7 +355,7 @@ def test_snapshot_opens_in_explain_and_without_classes(runs: dict[str, Future[An
                             out / "snapshot.pickle"], out)
     assert explained.code == 0, explained.stderr
     device = json.loads(explained.stdout)["devices"][0]
-    for key in ("peak", "categories", "category_peaks", "leak"):
+    for key in ("peak", "categories", "category_peaks", "leak", "step_growth"):
         assert device[key] == data["devices"][0][key]
 
     class NoClasses(pickle.Unpickler):

@@ -81,5 +81,9 @@ def test_manual_sgd_says_why_there_are_no_steps(tmp_path: Path) -> None:
     result = memprof_run(tmp_path, "-o", "sgd", "sgd.py")
     assert result.code == 0, result.stderr
     assert "No step section: the script never called optimizer.step()" in result.stderr
-    run = report(tmp_path / "sgd")["run"]
+    assert "the leak verdict are unavailable" in result.stderr
+    data = report(tmp_path / "sgd")
+    run, device = data["run"], data["devices"][0]
     assert run["optimizer_steps"] == 0 and "optimizer.step()" in run["no_steps_reason"]
+    assert device["steps"] == [] and device["leak"] is None
+    assert device["step_growth"]["verdict"] == "no_steps"

@@ -11,6 +11,7 @@ import numpy as np
 from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.categories import CATEGORIES, Phase, infer_category, phase_of
 from memprof.analysis.findings import (
+    LEAK,
     DeviceFindings,
     Findings,
     Fragmentation,
@@ -19,6 +20,7 @@ from memprof.analysis.findings import (
     Oom,
     ReplaySummary,
     SiteUsage,
+    StepGrowth,
     StepPeak,
     Timeline,
 )
@@ -26,10 +28,11 @@ from memprof.analysis.intervals import Intervals, intervals
 from memprof.analysis.replay import Check, Moment, Replay, replay
 from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
-from memprof.analysis.steps import find_leak, step_peaks
+from memprof.analysis.steps import WARMUP_STEPS, step_growth, step_peaks
 from memprof.analysis.whatif import what_if
 from memprof.errors import MemprofError
 from memprof.trace.model import (
+    OPTIMIZER_STATE,
     OTHER,
     Action,
     AllocatorSettings,
@@ -90,6 +93,8 @@ def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[Alloca
     labels = snapshot.labels.get(device)
     describe = _Describer(snapshot, device, table, result, labels, top)
     peaks = step_peaks(allocated, snapshot.steps.get(device, []))
+    categories = None if labels is None else _category_timeline(table, labels, n)
+    growth = _growth(peaks, categories, int(allocated[peak + 1]))
     times = trace.time_us if trace is not None else None
     before = table.size[table.start < 0]
     return DeviceFindings(
@@ -114,17 +119,30 @@ def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[Alloca
                                device_memory),
         timeline=Timeline(allocated, reserved, times),
         steps=peaks,
-        leak=_leak(describe, peaks, int(allocated[peak + 1])),
-        category_timeline=None if labels is None else _category_timeline(table, labels, n),
+        leak=_leak(describe, peaks, growth),
+        step_growth=growth,
+        category_timeline=categories,
     )
 
 
-def _leak(describe: _Describer, peaks: list[StepPeak], peak_allocated: int) -> Leak | None:
-    if len(peaks) < 4:
+def _growth(peaks: list[StepPeak], categories: dict[str, np.ndarray] | None,
+            peak_allocated: int) -> StepGrowth:
+    state = None if categories is None else \
+        [int(categories[OPTIMIZER_STATE][p.end]) for p in peaks]
+    return step_growth([p.end_allocated_bytes for p in peaks], peak_allocated, state)
+
+
+def _leak(describe: _Describer, peaks: list[StepPeak], growth: StepGrowth) -> Leak | None:
+    """The site that grew most from the first step after warm-up to the last."""
+    if growth.verdict != LEAK:
         return None
     every_site = 1 << 30
-    return find_leak(peaks, describe.live(peaks[1].end - 1, every_site),
-                     describe.live(peaks[-1].end - 1, every_site), peak_allocated)
+    first = describe.live(peaks[WARMUP_STEPS].end - 1, every_site)
+    last = describe.live(peaks[-1].end - 1, every_site)
+    before = {s.label: s.bytes for s in first.sites}
+    size, site = max(((s.bytes - before.get(s.label, 0), s) for s in last.sites),
+                     key=lambda g: g[0], default=(0, None))
+    return Leak(growth.growth_per_step_bytes, growth.steps - WARMUP_STEPS - 1, site, size)
 
 
 def _category_timeline(table: Intervals, labels: dict[int, str], n: int

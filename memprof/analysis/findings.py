@@ -116,6 +116,26 @@ class StepPeak:
     end_allocated_bytes: int
 
 
+LEAK = "leak"  # memory left after each step grows steadily through the last steps
+BOUNDED = "bounded"  # it grew after warm-up, then stopped (optimizer history, a filled cache)
+NO_GROWTH = "none"
+TOO_FEW_STEPS = "too_few_steps"  # not enough steps (or uneven growth) to tell
+NO_STEPS = "no_steps"  # no optimizer step was recorded
+
+
+@dataclass(frozen=True, slots=True)
+class StepGrowth:
+    """The verdict on the memory left allocated after each optimizer step."""
+
+    verdict: str  # LEAK, BOUNDED, NO_GROWTH, TOO_FEW_STEPS or NO_STEPS
+    steps: int  # steps recorded
+    steps_needed: int  # steps a verdict needs (more than ``steps`` for TOO_FEW_STEPS)
+    growth_bytes: int = 0  # most the memory left after a step rose after warm-up (state aside)
+    growth_per_step_bytes: int = 0  # LEAK: the mean growth over the last steps
+    grew_until_step: int | None = None  # BOUNDED: the last step after which memory rose
+    optimizer_state_growth_bytes: int = 0  # how much optimizer state rose after warm-up
+
+
 @dataclass(frozen=True, slots=True)
 class Leak:
     """Allocated memory that grew after every step, and the site that grew most."""
@@ -150,7 +170,8 @@ class DeviceFindings:
     replay: ReplaySummary
     timeline: Timeline
     steps: list[StepPeak] = field(default_factory=list)
-    leak: Leak | None = None
+    leak: Leak | None = None  # set when step_growth's verdict is LEAK
+    step_growth: StepGrowth = StepGrowth(NO_STEPS, 0, 0)
     rank: int | None = None  # the process under torchrun, for a run folder of several
     # allocated bytes per category after each event (state before the first included);
     # only where categories are exact

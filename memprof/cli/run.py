@@ -19,9 +19,6 @@ if TYPE_CHECKING:
     from memprof.collect.session import Recording
     from memprof.collect.virtual.cards import Card
 
-NO_STEPS = ("the script never called optimizer.step() (manual parameter updates?), so the"
-            " run has no steps to compare")
-
 
 def run(
     ctx: typer.Context,
@@ -155,6 +152,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
 
     from memprof.analysis.explain import explain
     from memprof.collect import session
+    from memprof.report.console import NO_STEPS_RECORDED
     from memprof.report.json import report_dict, write_json
     from memprof.report.plot import plot_timeline
     from memprof.report.run_folder import write_snapshot
@@ -178,7 +176,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         "exit": {"status": outcome.status, "code": outcome.exit_code, "error": outcome.error},
         "stopped_by": outcome.stopped_by,
         "optimizer_steps": len(recording.snapshot["memprof"]["steps"]),
-        "no_steps_reason": None if recording.snapshot["memprof"]["steps"] else NO_STEPS,
+        "no_steps_reason": None if recording.snapshot["memprof"]["steps"] else NO_STEPS_RECORDED,
         "rank": rank,
         "world_size": world,
         "cuda": recording.facts or None,
@@ -194,8 +192,6 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         if rank == 0:
             for d in findings.devices:
                 render_run(d, facts, notes)
-            if facts["no_steps_reason"]:
-                notes.print(f"No step section: {NO_STEPS}.")
     elif rank == 0 and recording.virtual_gpu:
         notes.print(plain(f"memprof: the script made no CUDA tensor, so the virtual"
                           f" {recording.virtual_gpu['spec']} held nothing; --device cpu"

@@ -8,14 +8,19 @@ from rich.table import Table
 from rich.text import Text
 
 from memprof.analysis.findings import (
+    BOUNDED,
+    NO_GROWTH,
+    NO_STEPS,
     DeviceFindings,
     Findings,
     Leak,
     Live,
     Oom,
     ReplaySummary,
+    StepGrowth,
     StepPeak,
 )
+from memprof.analysis.steps import WARMUP_STEPS
 from memprof.report.text import plain, visible
 from memprof.report.units import format_bytes as fb
 
@@ -28,6 +33,11 @@ CATEGORY_NAMES = {
     "workspace": "library workspaces (cuBLAS)",
     "other": "other",
 }
+
+NO_STEPS_RECORDED = ("the script never called optimizer.step() (manual parameter updates?), so"
+                     " per-step figures and the leak verdict are unavailable")
+NO_STEPS_FOREIGN = ("the snapshot does not mark optimizer steps (memprof run records them), so"
+                    " per-step figures and the leak verdict are unavailable")
 
 
 def render(findings: Findings, console: Console) -> None:
@@ -61,8 +71,7 @@ def ranks_table(devices: list[DeviceFindings]) -> Table:
 
 def _device(d: DeviceFindings) -> Panel:
     parts: list = [_headline(d), _live_tables(d.at_peak, d.categories_inferred, "at the peak")]
-    if d.steps:
-        parts += [Text(""), steps_table(d.steps), leak_text(d.leak)]
+    parts += [Text(""), *step_section(d)]
     parts.append(_fragmentation(d))
     parts.extend(oom_group(o, same_as_peak=o.live.allocated_bytes == d.peak_allocated_bytes)
                  for o in d.ooms)
@@ -135,17 +144,47 @@ def steps_table(steps: list[StepPeak]) -> Table:
     return t
 
 
-def leak_text(leak: Leak | None) -> Text:
-    """The leak verdict, one line."""
-    if leak is None:
-        return Text("No growth across steps: no sign of a leak.", "green")
-    where = f"; grows most: {visible(leak.site.label)} (+{fb(leak.site_growth_bytes)})" \
-        if leak.site else ""
-    return Text.assemble(("PROBABLE LEAK", "bold white on red"),
-                         f" memory left allocated grew by {fb(leak.growth_per_step_bytes)} per"
-                         f" step over {leak.steps} steps{where}. Something keeps tensors (or"
-                         " their autograd graph) alive across steps, e.g. accumulating a loss"
-                         " without .item() or .detach().")
+def step_section(d: DeviceFindings) -> list[Table | Text]:
+    """The per-step table and the leak verdict, or why there are none."""
+    if d.step_growth.verdict == NO_STEPS:
+        why = NO_STEPS_FOREIGN if d.categories_inferred else NO_STEPS_RECORDED
+        return [Text(f"No step section: {why}.", "yellow")]
+    return [steps_table(d.steps), growth_text(d.step_growth, d.leak)]
+
+
+def growth_text(growth: StepGrowth, leak: Leak | None) -> Text:
+    """The verdict on the memory left allocated after each step, one line."""
+    if leak is not None:  # set exactly when the verdict is a leak
+        where = f"; grows most: {visible(leak.site.label)} (+{fb(leak.site_growth_bytes)})" \
+            if leak.site else ""
+        return Text.assemble(
+            ("PROBABLE LEAK", "bold white on red"),
+            f" memory left allocated grew by {fb(leak.growth_per_step_bytes)} per step over"
+            f" {leak.steps} steps, through the last{where}. Something keeps tensors (or their"
+            " autograd graph) alive across steps, e.g. accumulating a loss without .item() or"
+            " .detach().")
+    if growth.verdict == NO_GROWTH:
+        return Text(f"No growth across {growth.steps} steps: no sign of a leak.", "green")
+    if growth.verdict == BOUNDED:
+        return Text(_bounded(growth), "green")
+    still = f", and memory left after each step still grows unevenly (+{fb(growth.growth_bytes)}" \
+        f" after step {WARMUP_STEPS})" if growth.growth_bytes else ""
+    return Text(f"Too few steps to tell whether memory leaks: {growth.steps} recorded{still}; a"
+                f" verdict needs {growth.steps_needed} (e.g. memprof run --steps"
+                f" {growth.steps_needed}, with a script that runs that long).", "yellow")
+
+
+def _bounded(growth: StepGrowth) -> str:
+    state = growth.optimizer_state_growth_bytes
+    parts = [f"memory left allocated grew by {fb(growth.growth_bytes)}"] \
+        if growth.growth_bytes else []
+    if state:
+        parts.append(f"optimizer state grew by {fb(state)} (e.g. LBFGS history, bounded by"
+                     " its history_size)")
+    ended = "through the last step" if growth.grew_until_step == growth.steps else \
+        f"then stopped after step {growth.grew_until_step}"
+    return (f"Bounded growth, not a leak: after step {WARMUP_STEPS} {' and '.join(parts)},"
+            f" {ended}; a leak grows by a steady amount every step.")
 
 
 def _fragmentation(d: DeviceFindings) -> Group:

@@ -85,6 +85,7 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
             "site": _site(d.leak.site) if d.leak.site else None,
             "site_growth_bytes": d.leak.site_growth_bytes,
         },
+        "step_growth": asdict(d.step_growth),
     }
 
 

@@ -11,10 +11,9 @@ from rich.text import Text
 from memprof.analysis.findings import DeviceFindings
 from memprof.report.console import (
     CATEGORY_NAMES,
-    leak_text,
     oom_group,
     sites_table,
-    steps_table,
+    step_section,
 )
 from memprof.report.text import visible
 from memprof.report.units import format_bytes as fb
@@ -42,9 +41,8 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
                            " memprof's model of the CUDA caching allocator; reserved memory is"
                            " its prediction.", "dim"))
     console.print(breakdown(d, run))
-    if d.steps:
-        console.print(steps_table(d.steps))
-        console.print(leak_text(d.leak))
+    for part in step_section(d):
+        console.print(part)
     console.print(sites_table(d.at_peak, "at the peak"))
     for oom in d.ooms:
         same = oom.live.allocated_bytes == d.peak_allocated_bytes

@@ -1,0 +1,154 @@
+"""The leak verdict: ``step_growth`` on synthetic step ends, and ``memprof run`` on small scripts.
+
+The verdict must not flip with the number of steps: LBFGS history (bounded by
+``history_size``) is never a leak, a list that gains a tensor every step always is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from memprof.analysis.findings import BOUNDED, LEAK, NO_GROWTH, NO_STEPS, TOO_FEW_STEPS
+from memprof.analysis.steps import MIN_STEPS, step_growth
+from tests.test_run_cli import block, memprof_run, report
+
+MIB = 1 << 20
+PEAK = 100 * MIB
+
+
+def test_no_steps() -> None:
+    assert step_growth([], PEAK).verdict == NO_STEPS
+
+
+@pytest.mark.parametrize("n", range(1, MIN_STEPS))
+def test_too_few_steps_whatever_the_ends(n: int) -> None:
+    growing = step_growth([k * MIB for k in range(n)], PEAK)
+    assert (growing.verdict, growing.steps, growing.steps_needed) == (TOO_FEW_STEPS, n, MIN_STEPS)
+    assert step_growth([MIB] * n, PEAK).verdict == TOO_FEW_STEPS
+
+
+def test_steady_growth_through_the_last_steps_is_a_leak() -> None:
+    # the first step (optimizer state) grows most and is not counted
+    g = step_growth([10 * MIB, 30 * MIB, 32 * MIB, 34 * MIB, 36 * MIB, 38 * MIB], PEAK)
+    assert (g.verdict, g.growth_bytes, g.growth_per_step_bytes) == (LEAK, 8 * MIB, 2 * MIB)
+
+
+def test_leak_tolerates_uneven_steps_within_the_steady_ratio() -> None:
+    g = step_growth([0, 10 * MIB, 11 * MIB, 14 * MIB, 16 * MIB], PEAK)
+    assert (g.verdict, g.growth_per_step_bytes) == (LEAK, 2 * MIB)
+
+
+def test_growth_that_stopped_is_bounded() -> None:
+    g = step_growth([0, 10 * MIB, 12 * MIB, 14 * MIB, 14 * MIB, 14 * MIB], PEAK)
+    assert (g.verdict, g.growth_bytes, g.grew_until_step) == (BOUNDED, 4 * MIB, 4)
+
+
+def test_growth_that_went_back_down_is_bounded() -> None:
+    g = step_growth([0, 10 * MIB, 14 * MIB, 12 * MIB, 13 * MIB, 12 * MIB], PEAK)
+    assert (g.verdict, g.growth_bytes, g.grew_until_step) == (BOUNDED, 4 * MIB, 5)
+
+
+def test_uneven_growth_at_the_end_needs_more_steps() -> None:
+    g = step_growth([0, 10 * MIB, 10 * MIB, 10 * MIB, 11 * MIB, 19 * MIB], PEAK)
+    assert (g.verdict, g.growth_bytes, g.steps_needed) == (TOO_FEW_STEPS, 9 * MIB, 12)
+
+
+def test_growth_below_one_percent_of_the_peak_is_no_growth() -> None:
+    ends = [0, 10 * MIB, *(10 * MIB + k * 100_000 for k in range(1, 6))]
+    assert step_growth(ends, PEAK).verdict == NO_GROWTH
+    assert step_growth(ends, PEAK // 10).verdict == LEAK
+
+
+def test_flat_ends_are_no_growth() -> None:
+    g = step_growth([5 * MIB, 9 * MIB, 9 * MIB, 9 * MIB, 9 * MIB], PEAK)
+    assert (g.verdict, g.growth_bytes, g.grew_until_step) == (NO_GROWTH, 0, None)
+    assert step_growth([0] * MIN_STEPS, 0).verdict == NO_GROWTH
+
+
+def test_optimizer_state_growth_is_bounded_not_a_leak() -> None:
+    ends = [10 * MIB, 20 * MIB, 30 * MIB, 40 * MIB, 50 * MIB]
+    state = [0, 10 * MIB, 20 * MIB, 30 * MIB, 40 * MIB]
+    assert step_growth(ends, PEAK).verdict == LEAK  # without categories it looks like one
+    g = step_growth(ends, PEAK, state)
+    assert (g.verdict, g.growth_bytes, g.optimizer_state_growth_bytes, g.grew_until_step) \
+        == (BOUNDED, 0, 30 * MIB, 5)
+
+
+def test_a_leak_beside_growing_optimizer_state_is_still_a_leak() -> None:
+    state = [0, 10 * MIB, 20 * MIB, 30 * MIB, 40 * MIB]
+    ends = [s + k * 3 * MIB for k, s in enumerate(state)]
+    g = step_growth(ends, PEAK, state)
+    assert (g.verdict, g.growth_per_step_bytes, g.optimizer_state_growth_bytes) \
+        == (LEAK, 3 * MIB, 30 * MIB)
+
+
+# LBFGS with max_iter=1 adds one history entry per step from step 2 on, up to history_size
+HISTORY = 5  # at 5 steps the history still grows: the old verdict called that a leak
+LBFGS = f"""\
+import torch
+m = torch.nn.Linear(256, 256)
+opt = torch.optim.LBFGS(m.parameters(), lr=0.1, history_size={HISTORY}, max_iter=1)
+x, y = torch.randn(16, 256), torch.randn(16, 256)
+def closure():
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(m(x), y)
+    loss.backward()
+    return loss
+for i in range(20):
+    opt.step(closure)
+"""
+FLAT = 256 * 256 + 256  # LBFGS's history vectors hold every parameter, flattened
+# each history entry: y and s (flat float32 vectors), and the scalars ro and al
+ENTRY = 2 * block(FLAT * 4) + 2 * block(4)
+
+APPEND = """\
+import torch
+m = torch.nn.Linear(64, 64)
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+kept = []
+for i in range(20):
+    m(torch.randn(32, 64)).sum().backward()
+    opt.step(); opt.zero_grad()
+    kept.append(torch.randn(256, 64))
+"""
+
+
+def _run(tmp_path: Path, script: str, steps: int) -> tuple[str, dict]:
+    (tmp_path / "train.py").write_text(script)
+    out = f"out{steps}"
+    result = memprof_run(tmp_path, "--device", "cpu", "-o", out, "--steps", str(steps),
+                         "train.py")
+    assert result.code == 0, result.stderr
+    return result.stderr, report(tmp_path / out)["devices"][0]
+
+
+@pytest.mark.parametrize("steps", [3, 5, 8])
+def test_lbfgs_history_is_never_a_leak(tmp_path: Path, steps: int) -> None:
+    stderr, device = _run(tmp_path, LBFGS, steps)
+    growth = device["step_growth"]
+    assert device["leak"] is None and "LEAK" not in stderr
+    if steps < MIN_STEPS:
+        assert growth["verdict"] == TOO_FEW_STEPS and growth["steps_needed"] == MIN_STEPS
+        assert f"Too few steps to tell whether memory leaks: {steps} recorded" in stderr
+    else:  # one entry after each of steps 2 to HISTORY + 1, then HISTORY entries held
+        until = min(steps, HISTORY + 1)
+        assert growth == {"verdict": BOUNDED, "steps": steps, "steps_needed": MIN_STEPS,
+                          "growth_bytes": 0, "growth_per_step_bytes": 0,
+                          "grew_until_step": until,
+                          "optimizer_state_growth_bytes": (until - 2) * ENTRY}
+        ended = "through the last step" if until == steps else f"stopped after step {until}"
+        assert "Bounded growth, not a leak" in stderr and ended in stderr
+
+
+@pytest.mark.parametrize("steps", [5, 8])
+def test_a_list_that_keeps_a_tensor_every_step_is_a_leak(tmp_path: Path, steps: int) -> None:
+    stderr, device = _run(tmp_path, APPEND, steps)
+    per_step = block(256 * 64 * 4)
+    assert device["step_growth"]["verdict"] == LEAK
+    assert device["step_growth"]["growth_bytes"] == (steps - 2) * per_step
+    leak = device["leak"]
+    assert (leak["growth_per_step_bytes"], leak["steps"]) == (per_step, steps - 2)
+    assert leak["site"]["line"] == 8
+    assert "PROBABLE LEAK" in stderr
