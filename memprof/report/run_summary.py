@@ -12,6 +12,7 @@ from memprof.analysis.findings import DeviceFindings
 from memprof.report.console import (
     CATEGORY_NAMES,
     leak_text,
+    modules_table,
     oom_group,
     sites_table,
     steps_table,
@@ -46,6 +47,8 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
         console.print(steps_table(d.steps))
         console.print(leak_text(d.leak))
     console.print(sites_table(d.at_peak, "at the peak"))
+    if d.at_peak.modules:
+        console.print(modules_table(d.at_peak, "at the peak"))
     for oom in d.ooms:
         same = oom.live.allocated_bytes == d.peak_allocated_bytes
         console.print(oom_group(oom, same_as_peak=same))
