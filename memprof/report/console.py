@@ -136,7 +136,7 @@ def modules_table(live: Live, moment: str) -> Table:
     t.add_column("module")
     t.add_column("model code")
     for m in live.modules:
-        where = f"{short_path(m.frame.filename)}:{m.frame.line} {m.frame.name}" if m.frame \
+        where = f"{short_path(m.frame.filename, 1)}:{m.frame.line} {m.frame.name}" if m.frame \
             else ""
         t.add_row(fb(m.bytes), f"{100 * m.share:.1f}%", f"{m.count:,}", plain(m.module),
                   plain(where))
