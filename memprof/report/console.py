@@ -128,8 +128,8 @@ def sites_table(live: Live, moment: str) -> Table:
 
 def modules_table(live: Live, moment: str) -> Table:
     """The nn.Modules whose allocations held the most memory at ``moment``."""
-    t = Table(title=f"Top modules {moment} (the innermost module running when it was"
-                    " allocated)", title_justify="left", box=None, header_style="bold")
+    t = Table(title=f"Top modules {moment} (the innermost one running at each allocation)",
+              title_justify="left", box=None, header_style="bold")
     t.add_column("bytes", justify="right")
     t.add_column("share", justify="right")
     t.add_column("blocks", justify="right")
