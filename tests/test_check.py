@@ -84,6 +84,10 @@ def test_a_wider_model_is_caught_and_what_grew_is_named(runs, tmp_path):
     assert f"(+{(after - before) / before:.1%}, limit 5%)" in first
     assert "grew most by category: optimizer_state" in text.stdout
     assert "grew most by site:" in text.stdout and "mlp_adam.py" in text.stdout
+    # the hidden-to-hidden Linear (Sequential's child 2) grew most: its weight is hidden²
+    modules = {c["name"]: c["current_bytes"] - c["baseline_bytes"] for c in device["modules"]}
+    assert device["modules"][0]["name"] == "2", modules
+    assert "grew most by module: 2 " in text.stdout
 
 
 def test_a_rerun_is_not_flagged(runs, tmp_path):

@@ -17,6 +17,7 @@ from typing import Any
 
 from memprof.trace.model import (
     ACTIVATIONS,
+    BUFFERS,
     CATEGORIES,
     GRADIENTS,
     OPTIMIZER_STATE,
@@ -75,7 +76,7 @@ def peak_of(device: dict[str, Any]) -> Peak:
     state at its own peaks."""
     at_peak = {k: int(device["categories"].get(k, 0)) for k in CATEGORIES}
     peaks = {k: int(v) for k, v in (device.get("category_peaks") or at_peak).items()}
-    kept = {k: at_peak[k] for k in (PARAMETERS, OPTIMIZER_STATE, WORKSPACE, OTHER)}
+    kept = {k: at_peak[k] for k in (PARAMETERS, BUFFERS, OPTIMIZER_STATE, WORKSPACE, OTHER)}
     zero = dict.fromkeys(CATEGORIES, 0)
     in_step = peaks.get(GRADIENTS, 0) > 0 and at_peak[GRADIENTS] >= 0.99 * peaks[GRADIENTS] \
         and at_peak[ACTIVATIONS] < 0.5 * peaks.get(ACTIVATIONS, 0)
@@ -83,7 +84,7 @@ def peak_of(device: dict[str, Any]) -> Peak:
         forward = {**zero, **kept, ACTIVATIONS: peaks[ACTIVATIONS]}
         at_step, at_peak = at_peak, forward
     else:
-        state = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, WORKSPACE, OTHER)
+        state = (PARAMETERS, BUFFERS, GRADIENTS, OPTIMIZER_STATE, WORKSPACE, OTHER)
         at_step = {**zero, **{k: peaks.get(k, 0) for k in state}}
     allocated = device["peak"]["allocated_bytes"] or 1
     reserved = device["peak"].get("reserved_at_peak_bytes") or device["peak"]["reserved_bytes"]

@@ -19,6 +19,7 @@ from memprof.analysis.allocator import MIN_BLOCK
 from memprof.collect.model_facts import SMALL_TENSOR
 from memprof.trace.model import (
     ACTIVATIONS,
+    BUFFERS,
     GRADIENTS,
     OPTIMIZER_STATE,
     OTHER,
@@ -97,9 +98,9 @@ def _precision(ctx: Context, busy: bool) -> list[Remedy]:
         "pure_bf16", "bf16 weights, gradients and optimizer state", "precision", 9,
         "numerics: bf16 weight updates lose small steps (keep fp32 master weights, or use"
         " Kahan summation, where that matters)", SEEDS["004"],
-        "parameters, gradients and optimizer state halve"
+        "parameters, floating-point buffers, gradients and optimizer state halve"
         + ("" if amp else "; activations and temporaries halve too"),
-        lambda p: p.scaled({PARAMETERS: 0.5, GRADIENTS: 0.5, OPTIMIZER_STATE: 0.5,
+        lambda p: p.scaled({PARAMETERS: 0.5, BUFFERS: 0.5, GRADIENTS: 0.5, OPTIMIZER_STATE: 0.5,
                             **({} if amp else {ACTIVATIONS: 0.5, TEMPORARIES: 0.5})}),
         "model = model.to(torch.bfloat16)  # before the optimizer is built")
     if amp or not busy:

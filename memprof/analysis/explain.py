@@ -17,6 +17,7 @@ from memprof.analysis.findings import (
     Fragmentation,
     Leak,
     Live,
+    ModuleUsage,
     Oom,
     ReplaySummary,
     SiteUsage,
@@ -25,6 +26,7 @@ from memprof.analysis.findings import (
     Timeline,
 )
 from memprof.analysis.intervals import Intervals, intervals
+from memprof.analysis.modules import model_frame, rank_modules
 from memprof.analysis.replay import Check, Moment, Replay, replay
 from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
@@ -168,6 +170,8 @@ class _Describer:
         self.table = table
         self.result = result
         self.labels = labels
+        self.modules = snapshot.modules.get(device)
+        self.model_files = snapshot.model_files
         self.top = top
         self.n = 0 if self.trace is None else len(self.trace)
         self.python_stacks = self._has_python_stacks()
@@ -193,7 +197,17 @@ class _Describer:
         ranked = sorted(groups.items(), key=lambda kv: (-kv[1][1], kv[0]))[: top or self.top]
         sites = [SiteUsage(label, s.user, s.call, b, c, b / total if total else 0.0)
                  for label, (s, b, c) in ranked]
-        return Live(total, categories, sites)
+        return Live(total, categories, sites, self._modules(events, sizes, frames, total, top))
+
+    def _modules(self, events: list[int], sizes: list[int], frames: list[Frames], total: int,
+                 top: int | None) -> list[ModuleUsage]:
+        if not self.modules:
+            return []
+        paths = self.modules
+        rows = ((paths[e], size, self._once("model frame", stack,
+                                            lambda f: model_frame(f, self.model_files)))
+                for e, size, stack in zip(events, sizes, frames, strict=True) if e in paths)
+        return rank_modules(rows, total, top or self.top)
 
     def _frames(self, event: int, initial: int) -> Frames:
         if event >= 0 and self.trace is not None:

@@ -23,12 +23,24 @@ class SiteUsage:
 
 
 @dataclass(slots=True)
+class ModuleUsage:
+    """Bytes live at a moment that the nn.Module at ``module`` (a path) allocated."""
+
+    module: str
+    bytes: int
+    count: int
+    share: float
+    frame: Frame | None  # the model-code line that allocated most of them
+
+
+@dataclass(slots=True)
 class Live:
-    """What was allocated at one moment, by category and by site."""
+    """What was allocated at one moment, by category, by site and by module (where known)."""
 
     allocated_bytes: int
     categories: dict[str, int]
     sites: list[SiteUsage]
+    modules: list[ModuleUsage] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -8,7 +8,9 @@ The snapshot has one device trace and no segments (there is no caching allocator
 this path). Its `memprof` entry holds `labels`, `[alloc_event_index, category]` for
 every alloc event (categories in `memprof.trace.model.CATEGORIES`), and `steps`:
 for each optimizer step, the number of trace events recorded when it ended, so that
-`events[steps[k - 1]:steps[k]]` is step k's slice.
+`events[steps[k - 1]:steps[k]]` is step k's slice; `modules`, `[alloc_event_index, path]`
+for the allocations made while a module ran (`module_scope.py`), and `model_files`, the
+files that define those modules' forward.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from memprof.collect.labels import LabelHooks
+from memprof.collect.module_scope import ModuleScope
 from memprof.collect.storages import StorageTracker
 
 SNAPSHOT_VERSION = 1
@@ -30,6 +33,7 @@ class CpuRecorder:
     def __init__(self, tracker: StorageTracker | None = None) -> None:
         self._tracker = tracker or StorageTracker()
         self._hooks = LabelHooks(self._tracker)
+        self._scope = ModuleScope(self._tracker)
         self._labels: list[list[Any]] | None = None
         self._started = False
 
@@ -39,9 +43,11 @@ class CpuRecorder:
             raise RuntimeError("a CpuRecorder records once; create a new one")
         self._started = True
         self._hooks.install()
+        self._scope.install()
         try:
             self._tracker.__enter__()
         except BaseException:
+            self._scope.remove()
             self._hooks.remove()
             raise
 
@@ -50,6 +56,7 @@ class CpuRecorder:
         if not self._started or self._labels is not None:
             raise RuntimeError("stop() needs a recording CpuRecorder")
         try:
+            self._scope.remove()
             self._hooks.remove()
         finally:
             self._tracker.__exit__(None, None, None)
@@ -78,5 +85,12 @@ class CpuRecorder:
                 "labels": [list(label) for label in self._labels],
                 "steps": list(self._hooks.steps),
                 "model": self._hooks.model,
+                "modules": self._modules(),
+                "model_files": sorted(self._scope.files),
             },
         }
+
+    def _modules(self) -> list[list[Any]]:
+        paths = self._tracker.modules
+        return [[i, paths[id(e)]] for i, e in enumerate(self._tracker.events)
+                if e["action"] == "alloc" and id(e) in paths]

@@ -1,6 +1,7 @@
 """Exact category labels for recorded allocations, from global hooks on the real objects.
 
-While installed, the hooks see every module call (its parameters), every gradient
+While installed, the hooks see every module call (its parameters and buffers), every
+buffer registration, every gradient
 accumulation, every optimizer step (its gradients and state) and every tensor autograd
 saves for backward; the user's script is not touched. A storage seen in several roles
 keeps the first in `CATEGORIES` order (a parameter saved for backward stays a parameter).
@@ -13,7 +14,10 @@ import weakref
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_forward_pre_hook,
+)
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -25,6 +29,7 @@ from memprof.collect.model_facts import model_facts
 from memprof.collect.storages import Event, StorageTracker, tensors_in
 from memprof.trace.model import (
     ACTIVATIONS,
+    BUFFERS,
     CATEGORIES,
     GRADIENTS,
     OPTIMIZER_STATE,
@@ -59,6 +64,7 @@ class LabelHooks:
         """Register the global module, optimizer and saved-tensor hooks."""
         self._handles = [
             register_module_forward_pre_hook(self._on_forward),
+            register_module_buffer_registration_hook(self._on_buffer),
             register_optimizer_step_pre_hook(self._on_step_pre),
             register_optimizer_step_post_hook(self._on_step_post),
         ]
@@ -72,6 +78,7 @@ class LabelHooks:
             for module in list(self._modules):
                 for p in module.parameters(recurse=False):
                     self._mark_param(p)
+                self._mark_buffers(module)
             for optimizer in list(self._optimizers):
                 for group in optimizer.param_groups:
                     for p in group["params"]:
@@ -108,6 +115,10 @@ class LabelHooks:
         if p.grad is not None:
             self._mark(p.grad, GRADIENTS)
 
+    def _mark_buffers(self, module: torch.nn.Module) -> None:
+        for b in module.buffers(recurse=False):
+            self._mark(b, BUFFERS)
+
     def _watch_param(self, p: torch.Tensor) -> None:
         self._mark_param(p)
         if p.requires_grad and p not in self._grad_hooks:
@@ -124,6 +135,11 @@ class LabelHooks:
             self._autocast = str(torch.get_autocast_dtype("cuda")).removeprefix("torch.")
         for p in module.parameters(recurse=False):
             self._watch_param(p)
+        self._mark_buffers(module)
+
+    def _on_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            self._mark(buffer, BUFFERS)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:

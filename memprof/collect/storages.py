@@ -17,7 +17,7 @@ import itertools
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -106,6 +106,8 @@ class StorageTracker(TorchDispatchMode):
         self.events: list[Event] = []
         self.survivors: list[Event] = []
         self.known: dict[int, str] = {}  # id(alloc event) -> category the tracker knows
+        self.modules: dict[int, str] = {}  # id(alloc event) -> path of the module that made it
+        self.scope: Callable[[], str | None] | None = None  # the module allocating now
         self._stacks = StackCapture()
         self._live: dict[int, _StorageRef] = {}
         self._addrs: set[int] = set()
@@ -185,6 +187,8 @@ class StorageTracker(TorchDispatchMode):
             "time_us": self._now_us(),
             "frames": self._stacks.capture(frame),
         }
+        if self.scope is not None and (path := self.scope()) is not None:
+            self.modules[id(event)] = path
         ref = _StorageRef(st, self._on_free)
         ref.event = event
         ref.key = key

@@ -20,12 +20,14 @@ from memprof.analysis.findings import (
     StepGrowth,
     StepPeak,
 )
+from memprof.analysis.sites import short_path
 from memprof.analysis.steps import WARMUP_STEPS
 from memprof.report.text import plain, visible
 from memprof.report.units import format_bytes as fb
 
 CATEGORY_NAMES = {
     "parameters": "parameters",
+    "buffers": "buffers (module state)",
     "gradients": "gradients",
     "optimizer_state": "optimizer state",
     "activations": "activations",
@@ -114,7 +116,10 @@ def _live_tables(live: Live, inferred: bool, moment: str) -> Group:
     for key, value in sorted(live.categories.items(), key=lambda kv: -kv[1]):
         if value:
             cats.add_row(CATEGORY_NAMES[key], fb(value), f"{100 * value / total:.1f}%")
-    return Group(Text(""), cats, Text(""), sites_table(live, moment))
+    parts = [Text(""), cats, Text(""), sites_table(live, moment)]
+    if live.modules:
+        parts += [Text(""), modules_table(live, moment)]
+    return Group(*parts)
 
 
 def sites_table(live: Live, moment: str) -> Table:
@@ -128,6 +133,23 @@ def sites_table(live: Live, moment: str) -> Table:
     for s in live.sites:
         sites.add_row(fb(s.bytes), f"{100 * s.share:.1f}%", f"{s.count:,}", plain(s.label))
     return sites
+
+
+def modules_table(live: Live, moment: str) -> Table:
+    """The nn.Modules whose allocations held the most memory at ``moment``."""
+    t = Table(title=f"Top modules {moment} (the innermost one running at each allocation)",
+              title_justify="left", box=None, header_style="bold")
+    t.add_column("bytes", justify="right")
+    t.add_column("share", justify="right")
+    t.add_column("blocks", justify="right")
+    t.add_column("module")
+    t.add_column("model code")
+    for m in live.modules:
+        where = f"{short_path(m.frame.filename, 1)}:{m.frame.line} {m.frame.name}" if m.frame \
+            else ""
+        t.add_row(fb(m.bytes), f"{100 * m.share:.1f}%", f"{m.count:,}", plain(m.module),
+                  plain(where))
+    return t
 
 
 def steps_table(steps: list[StepPeak]) -> Table:

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from memprof.analysis.findings import DeviceFindings, Findings, Live, Oom, SiteUsage
+from memprof.analysis.findings import DeviceFindings, Findings, Live, ModuleUsage, Oom, SiteUsage
 from memprof.report.files import write_atomic
 
 SCHEMA = "memprof.report/1"
@@ -66,6 +66,7 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
         "category_peaks": None if d.category_timeline is None else
         {k: int(v.max()) for k, v in d.category_timeline.items()},
         "top_sites": [_site(s) for s in d.at_peak.sites],
+        "top_modules": [_module(m) for m in d.at_peak.modules],
         "fragmentation": {
             "unallocated_at_peak_bytes": frag.unallocated_at_peak_bytes,
             "largest_free_block_at_peak_bytes": frag.largest_free_block_at_peak_bytes,
@@ -102,9 +103,20 @@ def _site(s: SiteUsage) -> dict[str, Any]:
     }
 
 
+def _module(m: ModuleUsage) -> dict[str, Any]:
+    return {
+        "module": m.module,
+        "bytes": m.bytes,
+        "count": m.count,
+        "share": round(m.share, 6),
+        "frame": f"{m.frame.filename}:{m.frame.line} {m.frame.name}" if m.frame else None,
+    }
+
+
 def _live(live: Live) -> dict[str, Any]:
     return {"allocated_bytes": live.allocated_bytes, "categories": live.categories,
-            "top_sites": [_site(s) for s in live.sites]}
+            "top_sites": [_site(s) for s in live.sites],
+            "top_modules": [_module(m) for m in live.modules]}
 
 
 def _oom(o: Oom) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from rich.text import Text
 from memprof.analysis.findings import DeviceFindings
 from memprof.report.console import (
     CATEGORY_NAMES,
+    modules_table,
     oom_group,
     sites_table,
     step_section,
@@ -44,6 +45,8 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
     for part in step_section(d):
         console.print(part)
     console.print(sites_table(d.at_peak, "at the peak"))
+    if d.at_peak.modules:
+        console.print(modules_table(d.at_peak, "at the peak"))
     for oom in d.ooms:
         same = oom.live.allocated_bytes == d.peak_allocated_bytes
         console.print(oom_group(oom, same_as_peak=same))

@@ -32,13 +32,15 @@ ACTION_CODES: dict[str, Action] = {a.name.lower(): a for a in Action if a is not
 
 # What an allocation holds; the order breaks ties (a parameter saved for backward is a parameter).
 PARAMETERS = "parameters"
+BUFFERS = "buffers"  # module buffers: causal masks, positional tables, BatchNorm statistics
 GRADIENTS = "gradients"
 OPTIMIZER_STATE = "optimizer_state"
 ACTIVATIONS = "activations"
 TEMPORARIES = "temporaries"
 WORKSPACE = "workspace"  # a library's own buffers (cuBLAS workspaces): exact on a virtual GPU
 OTHER = "other"
-CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, WORKSPACE, OTHER)
+CATEGORIES = (PARAMETERS, BUFFERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, WORKSPACE,
+              OTHER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,9 @@ class Snapshot:
     format: str
     labels: dict[int, dict[int, str]] = field(default_factory=dict)
     steps: dict[int, list[int]] = field(default_factory=dict)
+    # memprof run's attribution: alloc event index -> module path, per device
+    modules: dict[int, dict[int, str]] = field(default_factory=dict)
+    model_files: frozenset[str] = frozenset()  # files defining those modules' forward
 
     @property
     def devices(self) -> list[int]:

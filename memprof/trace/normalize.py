@@ -296,7 +296,8 @@ def _settings(raw: object) -> AllocatorSettings:
 
 
 def _memprof_extra(snapshot: Snapshot, extra: dict) -> None:
-    """memprof's own key: the exact category of each allocation and the step boundaries."""
+    """memprof's own key: the exact category of each allocation, the step boundaries, and
+    the module that made each allocation."""
     where = "memprof"
     device = integer(extra, "device", where, default=0)
     n = len(snapshot.traces[device]) if device in snapshot.traces else 0
@@ -311,3 +312,14 @@ def _memprof_extra(snapshot: Snapshot, extra: dict) -> None:
                            f" in [0, {n:,}]")
     snapshot.labels = {device: dict(labels)}
     snapshot.steps = {device: list(steps)}
+    modules, files = extra.get("modules"), extra.get("model_files") or []
+    if modules is not None:  # absent before memprof attributed modules
+        if type(modules) is not list or not all(
+                type(p) in (list, tuple) and len(p) == 2 and type(p[0]) is int
+                and 0 <= p[0] < n and type(p[1]) is str for p in modules):
+            raise NotASnapshot(f"{where}: 'modules' is not a list of (event index, module path)"
+                               " pairs")
+        snapshot.modules = {device: dict(modules)}
+    if type(files) is not list or not all(type(f) is str for f in files):
+        raise NotASnapshot(f"{where}: 'model_files' is not a list of file names")
+    snapshot.model_files = frozenset(files)

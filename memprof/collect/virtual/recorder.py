@@ -96,8 +96,10 @@ class VirtualRecorder(StorageTracker):
             self._held.append(workspace)
             start = len(self.events)
             self._record(workspace, None, (), {})
-            self.known.update((id(e), WORKSPACE) for e in self.events[start:]
-                              if e["action"] == "alloc")
+            for e in self.events[start:]:
+                if e["action"] == "alloc":  # the library's, not the running module's
+                    self.known[id(e)] = WORKSPACE
+                    self.modules.pop(id(e), None)
 
     def _op_frame(self) -> FrameType | None:
         frame = sys._getframe(1)
@@ -113,6 +115,7 @@ class VirtualRecorder(StorageTracker):
             self.placer.add(event)
         except OutOfMemory as oom:
             self.events.pop()
+            self.modules.pop(id(event), None)
             del self._live[key]
             self._addrs.discard(event["addr"])
             error = self._oom(oom, event)

@@ -1,0 +1,39 @@
+"""Attribution by nn.Module: bytes live at a moment per module path, with the model-code line.
+
+Only ``memprof run`` knows which module made an allocation (its recorder watches them
+run); snapshots recorded elsewhere carry no module and get no module table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from memprof.analysis.findings import ModuleUsage
+from memprof.trace.model import Frame, Frames
+
+
+def model_frame(frames: Frames, files: frozenset[str]) -> Frame | None:
+    """The innermost frame in a file that defines a recorded module's forward: for a
+    library model (Hugging Face), the model's line rather than the script's."""
+    for frame in frames:
+        if frame.filename in files:
+            return frame
+    return None
+
+
+def rank_modules(rows: Iterable[tuple[str, int, Frame | None]], total: int, top: int
+                 ) -> list[ModuleUsage]:
+    """The ``top`` modules by bytes, from ``(module path, bytes, model frame)`` rows;
+    ``total`` is what shares are of."""
+    groups: dict[str, tuple[list[int], dict[Frame, int]]] = {}
+    for path, size, frame in rows:
+        counts, frames = groups.setdefault(path, ([0, 0], {}))
+        counts[0] += size
+        counts[1] += 1
+        if frame is not None:
+            frames[frame] = frames.get(frame, 0) + size
+    ranked = sorted(groups.items(), key=lambda kv: (-kv[1][0][0], kv[0]))[:top]
+    return [ModuleUsage(path, held, count, held / total if total else 0.0,
+                        max(frames, key=lambda f: (frames[f], f.filename, -f.line),
+                            default=None))
+            for path, ((held, count), frames) in ranked]
