@@ -20,6 +20,7 @@ from memprof.analysis.findings import (
     ReplaySummary,
     SiteUsage,
     StepPeak,
+    Tagged,
     Timeline,
 )
 from memprof.analysis.intervals import Intervals, intervals
@@ -30,7 +31,9 @@ from memprof.analysis.steps import find_leak, step_peaks
 from memprof.analysis.whatif import what_if
 from memprof.errors import MemprofError
 from memprof.trace.model import (
+    ACTIVATIONS,
     OTHER,
+    TAGS,
     Action,
     AllocatorSettings,
     DeviceTrace,
@@ -92,6 +95,7 @@ def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[Alloca
     peaks = step_peaks(allocated, snapshot.steps.get(device, []))
     times = trace.time_us if trace is not None else None
     before = table.size[table.start < 0]
+    categories = None if labels is None else _timelines(table, labels, CATEGORIES, n)
     return DeviceFindings(
         device=device,
         events=n,
@@ -115,7 +119,8 @@ def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[Alloca
         timeline=Timeline(allocated, reserved, times),
         steps=peaks,
         leak=_leak(describe, peaks, int(allocated[peak + 1])),
-        category_timeline=None if labels is None else _category_timeline(table, labels, n),
+        category_timeline=categories,
+        tagged=_tagged(table, snapshot.tags.get(device), categories, peak, n),
     )
 
 
@@ -127,17 +132,29 @@ def _leak(describe: _Describer, peaks: list[StepPeak], peak_allocated: int) -> L
                      describe.live(peaks[-1].end - 1, every_site), peak_allocated)
 
 
-def _category_timeline(table: Intervals, labels: dict[int, str], n: int
-                       ) -> dict[str, np.ndarray]:
-    """Allocated bytes of each category after each event, from exact labels."""
-    names = np.array([labels.get(e, OTHER) if e >= 0 else OTHER for e in table.event.tolist()])
+def _tagged(table: Intervals, tags: dict[int, str] | None,
+            categories: dict[str, np.ndarray] | None, peak: int, n: int
+            ) -> dict[str, Tagged] | None:
+    """Bytes of each tag at the peak and where the activations peaked (exact labels only)."""
+    if not tags or categories is None:
+        return None
+    at_activations = int(np.argmax(categories[ACTIVATIONS]))
+    return {tag: Tagged(int(line[peak + 1]), int(line[at_activations]))
+            for tag, line in _timelines(table, tags, TAGS, n).items()}
+
+
+def _timelines(table: Intervals, labels: dict[int, str], names: Sequence[str], n: int
+               ) -> dict[str, np.ndarray]:
+    """Allocated bytes of each of ``names`` after each event (the state before the first
+    included), from exact labels or tags."""
+    of = np.array([labels.get(e, OTHER) if e >= 0 else OTHER for e in table.event.tolist()])
     out = {}
-    for category in CATEGORIES:
-        mine = names == category
+    for name in names:
+        mine = of == name
         delta = np.zeros(n + 2, np.int64)
         np.add.at(delta, table.start[mine] + 1, table.size[mine])
         np.add.at(delta, table.end[mine] + 1, -table.size[mine])
-        out[category] = np.cumsum(delta)[: n + 1]
+        out[name] = np.cumsum(delta)[: n + 1]
     return out
 
 

@@ -77,21 +77,24 @@ def device_facts() -> dict[str, Any]:
 
 
 def match_labels(trace: list[dict[str, Any]], recorded: list[dict[str, Any]],
-                 labels: list[list[Any]]) -> list[list[Any]]:
-    """Carry labels from memprof's storage events to the allocator's alloc events.
+                 labels: list[list[Any]], default: str | None = "other") -> list[list[Any]]:
+    """Carry labels (or tags) from memprof's storage events to the allocator's alloc
+    events; an event without one gets ``default`` (None: no entry).
 
     Both see the same storages in the same order; a storage's CUDA address is its
     data pointer, so the k-th alloc at an address in one is the k-th in the other.
     """
     by_event = dict((i, c) for i, c in labels)
-    queues: dict[int, list[str]] = {}
+    queues: dict[int, list[str | None]] = {}
     for i, event in enumerate(recorded):
         if event["action"] == "alloc":
-            queues.setdefault(event["addr"], []).append(by_event.get(i, "other"))
+            queues.setdefault(event["addr"], []).append(by_event.get(i, default))
     out = []
     for i, event in enumerate(trace):
         if event["action"] == "alloc" and queues.get(event["addr"]):
-            out.append([i, queues[event["addr"]].pop(0)])
+            label = queues[event["addr"]].pop(0)
+            if label is not None:
+                out.append([i, label])
     return out
 
 

@@ -52,6 +52,8 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
             **labelled["memprof"], "complete": False, "recorder": "cuda", "device": device,
             "labels": cuda.match_labels(trace, labelled["device_traces"][0],
                                         labelled["memprof"]["labels"]),
+            "tags": cuda.match_labels(trace, labelled["device_traces"][0],
+                                      labelled["memprof"]["tags"], None),
             "steps": cuda.match_steps(trace, labelled["device_traces"][0],
                                       labelled["memprof"]["steps"])}
         facts = cuda.device_facts()
@@ -93,6 +95,7 @@ def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
         "memprof": {
             **meta,
             "labels": [[at[i], category] for i, category in meta["labels"]],
+            "tags": [[at[i], tag] for i, tag in meta.get("tags", [])],
             # steps are exclusive ends: the event after the step's last one
             "steps": [at[end - 1] + 1 if end else 0 for end in meta["steps"]],
         },

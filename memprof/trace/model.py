@@ -39,6 +39,11 @@ TEMPORARIES = "temporaries"
 WORKSPACE = "workspace"  # a library's own buffers (cuBLAS workspaces): exact on a virtual GPU
 OTHER = "other"
 CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, WORKSPACE, OTHER)
+# what some activations were, for savings models: quadratic attention scores saved for
+# backward, and tensors saved by forwards in eval mode that no backward ever used
+ATTENTION_SCORES = "attention_scores"
+EVAL_ACTIVATIONS = "eval_activations"
+TAGS = (ATTENTION_SCORES, EVAL_ACTIVATIONS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +149,7 @@ class Snapshot:
     format: str
     labels: dict[int, dict[int, str]] = field(default_factory=dict)
     steps: dict[int, list[int]] = field(default_factory=dict)
+    tags: dict[int, dict[int, str]] = field(default_factory=dict)  # alloc event -> TAGS entry
 
     @property
     def devices(self) -> list[int]:
