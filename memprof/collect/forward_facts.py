@@ -19,6 +19,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils.hooks import RemovableHandle
 
+from memprof.collect.frames import HIDDEN_CODES
 from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS
 
 _ZERO_GRADS: tuple[type, ...] = (torch.optim.Optimizer, torch.nn.Module)
@@ -103,4 +104,5 @@ class ForwardFacts:
         def zero_grad(obj: object, set_to_none: bool = True) -> Any:
             self.set_to_none = bool(set_to_none)
             return original(obj, set_to_none)
+        HIDDEN_CODES.add(zero_grad.__code__)
         return zero_grad
