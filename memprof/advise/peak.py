@@ -7,12 +7,14 @@ other is rebuilt from the categories' own peaks. ``at_peak`` is the activation m
 ``at_step`` the step, whichever was recorded. A remedy rescales categories at both; the
 new peak is the larger of the two, and the allocator's cache is kept in proportion
 (``cache_ratio``) unless an allocator remedy changes it. Savings are therefore counted
-only where bytes are alive at the peak, and never summed in isolation.
+only where bytes are alive at the peak, and never summed in isolation. Tagged activations
+(attention scores, eval passes: ``report.json``'s ``tagged``) are tracked inside the
+activations at each moment, scaled with them, so a remedy can drop exactly those.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memprof.trace.model import (
@@ -34,6 +36,8 @@ class Peak:
     at_peak: dict[str, int]
     at_step: dict[str, int]
     cache_ratio: float  # reserved-but-unallocated bytes per allocated byte
+    tags_at_peak: dict[str, int] = field(default_factory=dict)  # within the activations
+    tags_at_step: dict[str, int] = field(default_factory=dict)
 
     @property
     def allocated(self) -> int:
@@ -53,8 +57,29 @@ class Peak:
         """Categories multiplied by ``factors`` (at the optimizer step too, by default)."""
         def scale(held: dict[str, int]) -> dict[str, int]:
             return {k: int(v * factors.get(k, 1.0)) for k, v in held.items()}
-        return replace(self, at_peak=scale(self.at_peak),
-                       at_step=scale(self.at_step) if step_too else self.at_step)
+
+        def tags(held: dict[str, int]) -> dict[str, int]:
+            return {k: int(v * factors.get(ACTIVATIONS, 1.0)) for k, v in held.items()}
+        return replace(self, at_peak=scale(self.at_peak), tags_at_peak=tags(self.tags_at_peak),
+                       at_step=scale(self.at_step) if step_too else self.at_step,
+                       tags_at_step=tags(self.tags_at_step) if step_too else self.tags_at_step)
+
+    def tagged(self, tag: str) -> int:
+        """Bytes of ``tag`` at whichever moment is the peak."""
+        held = self.tags_at_peak if self.moment is self.at_peak else self.tags_at_step
+        return held.get(tag, 0)
+
+    def without_tag(self, tag: str, share: float = 1.0) -> Peak:
+        """``share`` of the activations tagged ``tag`` no longer held, at both moments."""
+        def drop(held: dict[str, int], tags: dict[str, int]) -> dict[str, int]:
+            gone = int(tags.get(tag, 0) * share)
+            return {**held, ACTIVATIONS: max(0, held[ACTIVATIONS] - gone)}
+
+        def left(tags: dict[str, int]) -> dict[str, int]:
+            return {**tags, tag: tags.get(tag, 0) - int(tags.get(tag, 0) * share)}
+        return replace(self, at_peak=drop(self.at_peak, self.tags_at_peak),
+                       at_step=drop(self.at_step, self.tags_at_step),
+                       tags_at_peak=left(self.tags_at_peak), tags_at_step=left(self.tags_at_step))
 
     def with_state(self, category: str, change: int) -> Peak:
         """``change`` bytes more (or fewer) in ``category`` wherever it holds any."""
@@ -86,6 +111,10 @@ def peak_of(device: dict[str, Any]) -> Peak:
     else:
         state = (PARAMETERS, BUFFERS, GRADIENTS, OPTIMIZER_STATE, WORKSPACE, OTHER)
         at_step = {**zero, **{k: peaks.get(k, 0) for k in state}}
+    tagged = device.get("tagged") or {}
+    recorded = {k: int(v["at_peak_bytes"]) for k, v in tagged.items()}
+    forward = {k: int(v["at_activations_peak_bytes"]) for k, v in tagged.items()}
+    tags_at_peak, tags_at_step = (forward, recorded) if in_step else (recorded, {})
     allocated = device["peak"]["allocated_bytes"] or 1
     reserved = device["peak"].get("reserved_at_peak_bytes") or device["peak"]["reserved_bytes"]
-    return Peak(at_peak, at_step, max(0.0, reserved / allocated - 1))
+    return Peak(at_peak, at_step, max(0.0, reserved / allocated - 1), tags_at_peak, tags_at_step)

@@ -33,6 +33,10 @@ SEEDS = {
     "003": "seed 003 (out-of-memory causes and fixes: precision, accumulation, checkpointing,"
            " 8-bit optimizers, offload)",
     "004": "seed 004 (large-model training: mixed precision, INT8, checkpointing, ZeRO)",
+    "003_attention": "seed 003 (out-of-memory causes: self-attention memory grows with the"
+                     " square of the sequence length)",
+    "003_stages": "seed 003 (memory grows in stages: the graph in forward, gradients in"
+                  " backward, the optimizer's temporaries)",
 }
 BLOCK_INPUT_SHARE = 0.06  # a transformer block's input against the activations it saves
 MICRO_BATCHES = (2, 4, 8, 16)

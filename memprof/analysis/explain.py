@@ -23,6 +23,7 @@ from memprof.analysis.findings import (
     SiteUsage,
     StepGrowth,
     StepPeak,
+    Tagged,
     Timeline,
 )
 from memprof.analysis.intervals import Intervals, intervals
@@ -34,8 +35,10 @@ from memprof.analysis.steps import WARMUP_STEPS, step_growth, step_peaks
 from memprof.analysis.whatif import what_if
 from memprof.errors import MemprofError
 from memprof.trace.model import (
+    ACTIVATIONS,
     OPTIMIZER_STATE,
     OTHER,
+    TAGS,
     Action,
     AllocatorSettings,
     DeviceTrace,
@@ -95,7 +98,7 @@ def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[Alloca
     labels = snapshot.labels.get(device)
     describe = _Describer(snapshot, device, table, result, labels, top)
     peaks = step_peaks(allocated, snapshot.steps.get(device, []))
-    categories = None if labels is None else _category_timeline(table, labels, n)
+    categories = None if labels is None else _timelines(table, labels, CATEGORIES, n)
     growth = _growth(peaks, categories, int(allocated[peak + 1]))
     times = trace.time_us if trace is not None else None
     before = table.size[table.start < 0]
@@ -124,6 +127,7 @@ def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[Alloca
         leak=_leak(describe, peaks, growth),
         step_growth=growth,
         category_timeline=categories,
+        tagged=_tagged(table, snapshot.tags.get(device), categories, peak, n),
     )
 
 
@@ -147,17 +151,29 @@ def _leak(describe: _Describer, peaks: list[StepPeak], growth: StepGrowth) -> Le
     return Leak(growth.growth_per_step_bytes, growth.steps - WARMUP_STEPS - 1, site, size)
 
 
-def _category_timeline(table: Intervals, labels: dict[int, str], n: int
-                       ) -> dict[str, np.ndarray]:
-    """Allocated bytes of each category after each event, from exact labels."""
-    names = np.array([labels.get(e, OTHER) if e >= 0 else OTHER for e in table.event.tolist()])
+def _tagged(table: Intervals, tags: dict[int, str] | None,
+            categories: dict[str, np.ndarray] | None, peak: int, n: int
+            ) -> dict[str, Tagged] | None:
+    """Bytes of each tag at the peak and where the activations peaked (exact labels only)."""
+    if not tags or categories is None:
+        return None
+    at_activations = int(np.argmax(categories[ACTIVATIONS]))
+    return {tag: Tagged(int(line[peak + 1]), int(line[at_activations]))
+            for tag, line in _timelines(table, tags, TAGS, n).items()}
+
+
+def _timelines(table: Intervals, labels: dict[int, str], names: Sequence[str], n: int
+               ) -> dict[str, np.ndarray]:
+    """Allocated bytes of each of ``names`` after each event (the state before the first
+    included), from exact labels or tags."""
+    of = np.array([labels.get(e, OTHER) if e >= 0 else OTHER for e in table.event.tolist()])
     out = {}
-    for category in CATEGORIES:
-        mine = names == category
+    for name in names:
+        mine = of == name
         delta = np.zeros(n + 2, np.int64)
         np.add.at(delta, table.start[mine] + 1, table.size[mine])
         np.add.at(delta, table.end[mine] + 1, -table.size[mine])
-        out[category] = np.cumsum(delta)[: n + 1]
+        out[name] = np.cumsum(delta)[: n + 1]
     return out
 
 

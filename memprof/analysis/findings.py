@@ -158,6 +158,14 @@ class Leak:
     site_growth_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class Tagged:
+    """Bytes of tagged activations live at two moments."""
+
+    at_peak_bytes: int
+    at_activations_peak_bytes: int
+
+
 @dataclass(slots=True)
 class DeviceFindings:
     """Everything memprof says about one device."""
@@ -188,6 +196,8 @@ class DeviceFindings:
     # allocated bytes per category after each event (state before the first included);
     # only where categories are exact
     category_timeline: dict[str, np.ndarray] | None = None
+    # bytes of each tag (``TAGS``) live at the peak and when the activations peaked
+    tagged: dict[str, Tagged] | None = None
 
 
 @dataclass(slots=True)

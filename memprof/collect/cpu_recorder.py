@@ -6,7 +6,9 @@
 
 The snapshot has one device trace and no segments (there is no caching allocator on
 this path). Its `memprof` entry holds `labels`, `[alloc_event_index, category]` for
-every alloc event (categories in `memprof.trace.model.CATEGORIES`), and `steps`:
+every alloc event (categories in `memprof.trace.model.CATEGORIES`), `tags`,
+`[alloc_event_index, tag]` for the activations a savings model needs to know (`TAGS`),
+and `steps`:
 for each optimizer step, the number of trace events recorded when it ended, so that
 `events[steps[k - 1]:steps[k]]` is step k's slice; `modules`, `[alloc_event_index, path]`
 for the allocations made while a module ran (`module_scope.py`), and `model_files`, the
@@ -35,6 +37,7 @@ class CpuRecorder:
         self._hooks = LabelHooks(self._tracker)
         self._scope = ModuleScope(self._tracker)
         self._labels: list[list[Any]] | None = None
+        self._tags: list[list[Any]] = []
         self._started = False
 
     def start(self) -> None:
@@ -61,6 +64,7 @@ class CpuRecorder:
         finally:
             self._tracker.__exit__(None, None, None)
         self._labels = self._hooks.resolve(self._tracker.events, self._tracker.survivors)
+        self._tags = self._hooks.resolve_tags(self._tracker.events)
 
     def __enter__(self) -> CpuRecorder:
         self.start()
@@ -83,6 +87,7 @@ class CpuRecorder:
                 "recorder": "cpu",
                 "complete": True,
                 "labels": [list(label) for label in self._labels],
+                "tags": [list(tag) for tag in self._tags],
                 "steps": list(self._hooks.steps),
                 "model": self._hooks.model,
                 "modules": self._modules(),

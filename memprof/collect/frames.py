@@ -13,6 +13,8 @@ from types import CodeType, FrameType
 from typing import TypeAlias
 
 Frame: TypeAlias = dict[str, str | int]
+# memprof's own wrappers around the script's calls (zero_grad): left out of every stack
+HIDDEN_CODES: set[CodeType] = set()
 
 
 class StackCapture:
@@ -43,6 +45,9 @@ class StackCapture:
         stack = []
         while frame is not None:
             code = frame.f_code
+            if code in HIDDEN_CODES:
+                frame = frame.f_back
+                continue
             line = frame.f_lineno or 0  # None on rare synthetic instructions
             key = (id(code), line)
             entry = self._frames.get(key)

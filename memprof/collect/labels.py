@@ -6,6 +6,7 @@ accumulation, every optimizer step (its gradients and state) and every tensor au
 saves for backward; the user's script is not touched. A storage seen in several roles
 keeps the first in `CATEGORIES` order (a parameter saved for backward stays a parameter).
 Unseen storages are `temporaries` if freed during the run, `other` if still alive.
+Activations are also tagged with what they were (`forward_facts.py`), for savings models.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from torch.optim.optimizer import (
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memprof.collect.forward_facts import ForwardFacts
 from memprof.collect.model_facts import model_facts
 from memprof.collect.storages import Event, StorageTracker, tensors_in
 from memprof.trace.model import (
     ACTIVATIONS,
     BUFFERS,
     CATEGORIES,
+    EVAL_ACTIVATIONS,
     GRADIENTS,
     OPTIMIZER_STATE,
     OTHER,
@@ -39,10 +42,6 @@ from memprof.trace.model import (
 )
 
 _RANK = {category: rank for rank, category in enumerate(CATEGORIES)}
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 class LabelHooks:
@@ -54,11 +53,14 @@ class LabelHooks:
         self._autocast: str | None = None  # CUDA autocast dtype seen in a forward
         self._tracker = tracker
         self._marks: dict[int, str] = {}  # id(alloc event) -> category
+        self._tags: dict[int, str] = {}  # id(alloc event) -> a TAGS entry
+        self._eval_tagged = False
+        self._forward = ForwardFacts()
         self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._grad_hooks = WeakIdKeyDictionary()  # parameter -> RemovableHandle
         self._handles: list[RemovableHandle] = []
-        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def install(self) -> None:
         """Register the global module, optimizer and saved-tensor hooks."""
@@ -68,6 +70,7 @@ class LabelHooks:
             register_optimizer_step_pre_hook(self._on_step_pre),
             register_optimizer_step_post_hook(self._on_step_post),
         ]
+        self._forward.install()
         self._saved.__enter__()
 
     def remove(self) -> None:
@@ -75,6 +78,8 @@ class LabelHooks:
         try:
             if len(self._modules):  # else the script's objects are gone: keep the last facts
                 self.model = model_facts(self._modules, self._optimizers, self._autocast)
+            if self.model:
+                self.model.update(self._forward.facts(self._tracker.fused_attention))
             for module in list(self._modules):
                 for p in module.parameters(recurse=False):
                     self._mark_param(p)
@@ -86,6 +91,7 @@ class LabelHooks:
                 self._mark_state(optimizer)
         finally:
             self._saved.__exit__()
+            self._forward.remove()
             for handle in [*self._handles, *self._grad_hooks.values()]:
                 handle.remove()
             self._handles = []
@@ -102,6 +108,12 @@ class LabelHooks:
                 known = self._tracker.known.get(key, fallback)
                 labels.append([index, self._marks.get(key, known)])
         return labels
+
+    def resolve_tags(self, events: list[Event]) -> list[list[Any]]:
+        """Return `[event_index, tag]` for every alloc event in `events` labelled
+        `activations` that has a tag (a parameter an eval forward saved has none)."""
+        return [[index, self._tags[id(event)]] for index, event in enumerate(events)
+                if id(event) in self._tags and self._marks.get(id(event)) == ACTIVATIONS]
 
     def _mark(self, t: torch.Tensor, category: str) -> None:
         for event in self._tracker.alloc_events(t):
@@ -131,6 +143,7 @@ class LabelHooks:
 
     def _on_forward(self, module: torch.nn.Module, args: object) -> None:
         self._modules.add(module)
+        self._forward.before(module)
         if self._autocast is None and torch.is_autocast_enabled("cuda"):
             self._autocast = str(torch.get_autocast_dtype("cuda")).removeprefix("torch.")
         for p in module.parameters(recurse=False):
@@ -159,6 +172,19 @@ class LabelHooks:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._mark(t, ACTIVATIONS)
+        for event in self._tracker.alloc_events(t):
+            key = id(event)
+            tag = self._forward.tag(t, key in self._tracker.square_scores)
+            if tag is not None:
+                self._tags.setdefault(key, tag)
+                self._eval_tagged |= tag == EVAL_ACTIVATIONS
         # the tensor itself would make a reference cycle through its grad_fn that keeps
         # a graph that is never backwarded alive; a detached view shares the storage
         return t.detach()
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._eval_tagged:  # a backward reads it: that eval forward was backpropagated
+            for event in self._tracker.alloc_events(t):
+                if self._tags.get(id(event)) == EVAL_ACTIVATIONS:
+                    del self._tags[id(event)]
+        return t

@@ -54,6 +54,8 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
                                         labelled["memprof"]["labels"]),
             "modules": cuda.match_labels(trace, labelled["device_traces"][0],
                                          labelled["memprof"]["modules"]),
+            "tags": cuda.match_labels(trace, labelled["device_traces"][0],
+                                      labelled["memprof"]["tags"]),
             "steps": cuda.match_steps(trace, labelled["device_traces"][0],
                                       labelled["memprof"]["steps"])}
         facts = cuda.device_facts()
@@ -96,6 +98,7 @@ def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
             **meta,
             "labels": [[at[i], category] for i, category in meta["labels"]],
             "modules": [[at[i], path] for i, path in meta["modules"]],
+            "tags": [[at[i], tag] for i, tag in meta.get("tags", [])],
             # steps are exclusive ends: the event after the step's last one
             "steps": [at[end - 1] + 1 if end else 0 for end in meta["steps"]],
         },

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import (
 )
 
 from memprof.collect.frames import StackCapture
+from memprof.collect.score_ops import FUSED_ATTENTION_OPS, SCORE_OPS, is_square
 
 Event = dict[str, Any]
 
@@ -108,6 +109,8 @@ class StorageTracker(TorchDispatchMode):
         self.known: dict[int, str] = {}  # id(alloc event) -> category the tracker knows
         self.modules: dict[int, str] = {}  # id(alloc event) -> path of the module that made it
         self.scope: Callable[[], str | None] | None = None  # the module allocating now
+        self.square_scores: set[int] = set()  # id(alloc event) of T x T outputs of SCORE_OPS
+        self.fused_attention = False  # a scaled_dot_product_attention kernel ran
         self._stacks = StackCapture()
         self._live: dict[int, _StorageRef] = {}
         self._addrs: set[int] = set()
@@ -163,6 +166,15 @@ class StorageTracker(TorchDispatchMode):
                         continue
                 frame = frame or self._op_frame()
                 self._alloc(st, key, frame)
+                self._classify(func, t)
+
+    def _classify(self, func: object, t: torch.Tensor) -> None:
+        """Note what the new allocation's op tells the savings models."""
+        packet = getattr(func, "overloadpacket", None)
+        if packet in SCORE_OPS and is_square(t):
+            self.square_scores.add(id(self.events[-1]))
+        elif packet in FUSED_ATTENTION_OPS:
+            self.fused_attention = True
 
     @staticmethod
     def _input_keys(args: tuple, kwargs: dict) -> set[int]:

@@ -65,6 +65,8 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
         # the most each category held at any time (exact categories only)
         "category_peaks": None if d.category_timeline is None else
         {k: int(v.max()) for k, v in d.category_timeline.items()},
+        # activations memprof run tagged (attention scores, eval passes), live at the peak
+        "tagged": None if d.tagged is None else {k: asdict(v) for k, v in d.tagged.items()},
         "top_sites": [_site(s) for s in d.at_peak.sites],
         "top_modules": [_module(m) for m in d.at_peak.modules],
         "fragmentation": {

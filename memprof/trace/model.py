@@ -41,6 +41,11 @@ WORKSPACE = "workspace"  # a library's own buffers (cuBLAS workspaces): exact on
 OTHER = "other"
 CATEGORIES = (PARAMETERS, BUFFERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, WORKSPACE,
               OTHER)
+# what some activations were, for savings models: quadratic attention scores saved for
+# backward, and tensors saved by forwards in eval mode that no backward ever used
+ATTENTION_SCORES = "attention_scores"
+EVAL_ACTIVATIONS = "eval_activations"
+TAGS = (ATTENTION_SCORES, EVAL_ACTIVATIONS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +154,7 @@ class Snapshot:
     # memprof run's attribution: alloc event index -> module path, per device
     modules: dict[int, dict[int, str]] = field(default_factory=dict)
     model_files: frozenset[str] = frozenset()  # files defining those modules' forward
+    tags: dict[int, dict[int, str]] = field(default_factory=dict)  # alloc event -> TAGS entry
 
     @property
     def devices(self) -> list[int]:

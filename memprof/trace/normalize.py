@@ -24,6 +24,7 @@ from memprof.trace.fields import (
 from memprof.trace.model import (
     ACTION_CODES,
     CATEGORIES,
+    TAGS,
     Action,
     AllocatorSettings,
     Block,
@@ -301,11 +302,9 @@ def _memprof_extra(snapshot: Snapshot, extra: dict) -> None:
     where = "memprof"
     device = integer(extra, "device", where, default=0)
     n = len(snapshot.traces[device]) if device in snapshot.traces else 0
-    labels, steps = extra.get("labels") or [], extra.get("steps") or []
-    if type(labels) is not list or not all(
-            type(p) in (list, tuple) and len(p) == 2 and type(p[0]) is int and 0 <= p[0] < n
-            and p[1] in CATEGORIES for p in labels):
-        raise NotASnapshot(f"{where}: 'labels' is not a list of (event index, category) pairs")
+    labels = _event_pairs(extra, "labels", n, CATEGORIES, "category")
+    tags = _event_pairs(extra, "tags", n, TAGS, "tag")
+    steps = extra.get("steps") or []
     if type(steps) is not list or not all(type(s) is int and 0 <= s <= n for s in steps) \
             or steps != sorted(steps):
         raise NotASnapshot(f"{where}: 'steps' is not an increasing list of event indices"
@@ -323,3 +322,15 @@ def _memprof_extra(snapshot: Snapshot, extra: dict) -> None:
     if type(files) is not list or not all(type(f) is str for f in files):
         raise NotASnapshot(f"{where}: 'model_files' is not a list of file names")
     snapshot.model_files = frozenset(files)
+    snapshot.tags = {device: dict(tags)}
+
+
+def _event_pairs(extra: dict, key: str, n: int, allowed: tuple[str, ...], what: str
+                 ) -> list[list[Any]]:
+    """``extra[key]``: ``[event index, value]`` pairs, each value one of ``allowed``."""
+    pairs = extra.get(key) or []
+    if type(pairs) is not list or not all(
+            type(p) in (list, tuple) and len(p) == 2 and type(p[0]) is int and 0 <= p[0] < n
+            and p[1] in allowed for p in pairs):
+        raise NotASnapshot(f"memprof: '{key}' is not a list of (event index, {what}) pairs")
+    return pairs

@@ -1,0 +1,83 @@
+"""Remedies that need facts ``memprof run`` records about the forward pass: fused
+attention where quadratic attention scores are saved for backward, ``no_grad`` for
+evaluation passes run with grad enabled, and ``zero_grad(set_to_none=True)`` where
+gradients are zeroed and kept through the next forward pass.
+
+Each saves bytes alive at the peak only: the tagged activations (``report.json``'s
+``tagged``) or the gradients at the activation moment. None can be applied by
+``--verify`` to an unmodified script, so all are estimates.
+"""
+
+from __future__ import annotations
+
+from memprof.advise.peak import Peak
+from memprof.advise.remedies import SEEDS, Context, Remedy
+from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS, GRADIENTS
+
+SCORES_SHARE = 0.03  # attention scores under this share of the peak: not worth a rewrite
+LSE_BYTES = 4  # SDPA keeps an fp32 logsumexp per row of scores for backward
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def forward_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
+    """The remedies of this module that apply to the run."""
+    return _fused_attention(peak, ctx) + _no_grad(peak, ctx) + _set_to_none(peak, ctx)
+
+
+def _fused_attention(peak: Peak, ctx: Context) -> list[Remedy]:
+    facts = ctx.model.get("attention")
+    scores = peak.tagged(ATTENTION_SCORES)
+    if not facts or facts["fused"] or scores < SCORES_SHARE * peak.allocated:
+        return []
+    shape, dtype = facts["score_shape"], facts["score_dtype"]
+    t = shape[-1]
+    kept = LSE_BYTES / (t * _ITEMSIZE.get(dtype, 4))  # logsumexp bytes per score byte
+    owner = facts.get("module") or "the attention module"
+    return [Remedy(
+        "fused_attention", f"fused attention (scaled_dot_product_attention) in {owner}",
+        "attention", 2, "none: the same result from a flash or memory-efficient kernel"
+        " (faster too)", SEEDS["003_attention"],
+        f"the T x T attention scores saved for backward ({'x'.join(map(str, shape))} {dtype}"
+        f" the largest, {scores:,} bytes at the peak) are not kept; SDPA keeps a {LSE_BYTES}-byte"
+        f" logsumexp per row of {t} scores instead (1/{t * _ITEMSIZE.get(dtype, 4) // LSE_BYTES}"
+        " of them); the kernel's own workspace is not counted",
+        lambda p: p.without_tag(ATTENTION_SCORES, 1 - kept),
+        f"# in {owner}.forward, instead of softmax(q @ k.transpose(-2, -1) * scale) @ v\n"
+        "# (is_causal=True for a causal mask, attn_mask=mask for another one):\n"
+        "out = torch.nn.functional.scaled_dot_product_attention(\n"
+        "    q, k, v, is_causal=True, dropout_p=dropout if self.training else 0.0)")]
+
+
+def _no_grad(peak: Peak, ctx: Context) -> list[Remedy]:
+    held = peak.tagged(EVAL_ACTIVATIONS)
+    if not held:
+        return []
+    model = ctx.model.get("eval_module") or "Module"
+    return [Remedy(
+        "no_grad_eval", f"torch.no_grad() around the evaluation of {model}", "eval", 1,
+        "none: evaluation needs no graph", SEEDS["001"],
+        f"the {held:,} bytes that forwards of the {model} in eval mode saved for a"
+        " backward that never read them are not kept; only forwards in eval mode with grad"
+        " enabled are seen (an evaluation in training mode is not)",
+        lambda p: p.without_tag(EVAL_ACTIVATIONS),
+        f"model.eval()  # the {model}\n"
+        "with torch.inference_mode():  # or torch.no_grad()\n"
+        "    val_loss = compute_loss(model, batch).item()\n"
+        "model.train()")]
+
+
+def _set_to_none(peak: Peak, ctx: Context) -> list[Remedy]:
+    grads = peak.at_peak[GRADIENTS]
+    if ctx.model.get("zero_grad_set_to_none") is not False or not grads:
+        return []
+    name = ctx.optimizer.get("class", "optimizer")
+    return [Remedy(
+        "zero_grad_set_to_none", "optimizer.zero_grad(set_to_none=True)", "zero_grad", 1,
+        "none: gradients are None until backward makes them (code reading p.grad between"
+        " steps must allow None)", SEEDS["003_stages"],
+        f"the {grads:,} bytes of gradients held at the activation peak are zeros kept"
+        " from the last step; with set_to_none backward allocates them after the forward"
+        " pass (the peak is taken to be before backward makes any)",
+        lambda p: p.scaled({GRADIENTS: 0.0}, step_too=False),
+        f"optimizer.zero_grad(set_to_none=True)  # the {name}; set_to_none=False keeps"
+        " zeroed gradients through the next forward pass")]

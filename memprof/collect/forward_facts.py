@@ -1,0 +1,108 @@
+"""Facts about the script's forward passes and gradient zeroing, for ``memprof suggest``.
+
+While installed: a stack of the modules whose forward is running (global pre- and
+post-forward hooks), and wrappers around ``Optimizer.zero_grad`` and ``Module.zero_grad``
+that record the ``set_to_none`` the script passes. ``tag`` says what a tensor autograd
+saves for backward is: quadratic attention scores (a ``T x T`` output of a score op,
+``score_ops.py``), or an activation of a forward run in eval mode (``model.eval()``) with
+grad enabled. The label hooks drop the eval tag from tensors a backward reads, so what
+remains was saved by forwards that nothing backpropagated (evaluation without ``no_grad``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_hook
+from torch.utils.hooks import RemovableHandle
+
+from memprof.collect.frames import HIDDEN_CODES
+from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS
+
+_ZERO_GRADS: tuple[type, ...] = (torch.optim.Optimizer, torch.nn.Module)
+
+
+class ForwardFacts:
+    """The module stack, zero_grad's flag and the attention scores seen in a run."""
+
+    def __init__(self) -> None:
+        self.stack: list[torch.nn.Module] = []
+        self.set_to_none: bool | None = None  # the last zero_grad's flag; None: never called
+        self.score_shape: list[int] | None = None  # the largest score tensor saved
+        self.score_dtype: str | None = None
+        self.score_module: str | None = None  # the class whose forward computed it
+        self.eval_module: str | None = None  # the outermost module of an eval forward
+        self._largest = 0
+        self._handle: RemovableHandle | None = None
+        self._originals: list[tuple[type, Callable[..., Any]]] = []
+
+    def install(self) -> None:
+        """Register the post-forward hook and wrap the zero_grad methods."""
+        self._handle = register_module_forward_hook(self._after, always_call=True)
+        for cls in _ZERO_GRADS:
+            original = cls.zero_grad
+            self._originals.append((cls, original))
+            cls.zero_grad = self._wrap(original)  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        """Remove the hook and restore zero_grad."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        for cls, original in self._originals:
+            cls.zero_grad = original  # type: ignore[method-assign]
+        self._originals = []
+
+    def before(self, module: torch.nn.Module) -> None:
+        """A module's forward starts (called from the label hooks' pre-forward hook)."""
+        self.stack.append(module)
+
+    def tag(self, t: torch.Tensor, square_score: bool) -> str | None:
+        """What a tensor saved for backward is, if a savings model needs to know."""
+        if self.stack and not self.stack[0].training:  # no_grad would save nothing at all
+            self.eval_module = self.eval_module or type(self.stack[0]).__name__
+            return EVAL_ACTIVATIONS
+        if square_score:
+            self._note_score(t)
+            return ATTENTION_SCORES
+        return None
+
+    def facts(self, fused: bool) -> dict[str, Any]:
+        """The ``run.model`` entries these facts fill (JSON-ready); ``fused``: a
+        ``scaled_dot_product_attention`` kernel ran."""
+        seen = fused or self.score_shape is not None
+        return {
+            "zero_grad_set_to_none": self.set_to_none,
+            "attention": {"fused": fused, "score_shape": self.score_shape,
+                          "score_dtype": self.score_dtype, "module": self.score_module}
+            if seen else None,
+            "eval_module": self.eval_module,
+        }
+
+    def _note_score(self, t: torch.Tensor) -> None:
+        size = t.numel() * t.element_size()
+        if size > self._largest:
+            self._largest = size
+            self.score_shape = list(t.shape)
+            self.score_dtype = str(t.dtype).removeprefix("torch.")
+            owner = next((m for m in reversed(self.stack)
+                          if any(True for _ in m.parameters())), None)
+            self.score_module = type(owner).__name__ if owner is not None else None
+
+    def _after(self, module: torch.nn.Module, args: object, output: object) -> None:
+        # a forward hook registered by the script may raise, so the stack is searched
+        for i in range(len(self.stack) - 1, -1, -1):
+            if self.stack[i] is module:
+                del self.stack[i:]
+                return
+
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def zero_grad(obj: object, set_to_none: bool = True) -> Any:
+            self.set_to_none = bool(set_to_none)
+            return original(obj, set_to_none)
+        HIDDEN_CODES.add(zero_grad.__code__)
+        return zero_grad

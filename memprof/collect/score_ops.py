@@ -1,0 +1,31 @@
+"""Which operator outputs can be quadratic attention scores, and which ops are fused
+attention (``scaled_dot_product_attention``'s kernels), as the storage tracker sees them.
+
+A score tensor is ``(..., T, T)``: ``q @ k.transpose(-2, -1)`` (``bmm``), its scaling,
+masking and softmax, and dropout's mask and output. Whether one is kept for backward is
+decided later, when autograd saves it (``forward_facts.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_aten = torch.ops.aten
+
+
+def _packets(*names: str) -> frozenset[object]:
+    return frozenset(getattr(_aten, n) for n in names if hasattr(_aten, n))
+
+
+SCORE_OPS = _packets("bmm", "baddbmm", "_softmax", "_safe_softmax", "masked_fill", "mul",
+                     "div", "add", "where", "native_dropout", "empty_like", "_masked_softmax")
+FUSED_ATTENTION_OPS = _packets(
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+    "_efficient_attention_forward")
+
+
+def is_square(t: torch.Tensor) -> bool:
+    """A batch of ``T x T`` matrices (at least 3 dimensions, T > 1)."""
+    return t.dim() >= 3 and t.size(-1) == t.size(-2) > 1

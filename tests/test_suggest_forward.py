@@ -1,0 +1,138 @@
+"""``memprof suggest``'s remedies from facts about the forward pass (fused attention,
+``no_grad`` for evaluation, ``zero_grad(set_to_none=True)``), on runs of
+``tests/scripts/attention_train.py`` on the virtual H100: exact bytes at the peak, and
+absent where the script already does the right thing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from test_run_cli import block, memprof_run
+from test_suggest import advice_json
+
+from memprof.advise.advice import advise
+from memprof.advise.budget import parse_budget
+from memprof.advise.forward_remedies import forward_remedies
+from memprof.advise.source import load_run
+from memprof.trace.model import ACTIVATIONS, ATTENTION_SCORES, EVAL_ACTIVATIONS, GRADIENTS
+
+SCRIPT = Path(__file__).parent / "scripts" / "attention_train.py"
+KEYS = {"fused_attention", "no_grad_eval", "zero_grad_set_to_none"}
+
+
+def script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("attention_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Careless habits ("bad") and careful ones ("good")."""
+    where = tmp_path_factory.mktemp("forward")
+    for name, args in (("bad", ("--set-to-none=0", "--eval=grad")), ("good", ("--fused",))):
+        result = memprof_run(where, "-o", name, SCRIPT, *args)
+        assert result.code == 0, result.stderr
+    return where
+
+
+def saved_bytes_of_one_eval_forward(s: ModuleType) -> int:
+    """Blocks of the non-parameter storages one eval forward (batch 1) saves, on the CPU."""
+    model = s.build(fused=False).eval()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(torch.randn(1, s.T, s.H * s.D))
+    assert out.grad_fn is not None
+    return sum(block(n) for n in saved.values())
+
+
+def test_each_remedy_saves_exactly_what_is_alive_at_the_peak(runs: Path):
+    s = script()
+    run = load_run(runs / "bad")
+    advice = advise(run, parse_budget("1MiB"))
+    start = advice.start
+    by_key = {r.remedy.key: r for r in advice.ranked}
+    assert set(by_key) >= KEYS
+    # the peak is the last step's training pass: its softmax output (B x H x T x T fp32)
+    scores = s.B * s.H * s.T * s.T * 4
+    assert start.tagged(ATTENTION_SCORES) == scores
+    fused = by_key["fused_attention"].peak
+    lse = s.B * s.H * s.T * 4  # SDPA's fp32 logsumexp per row
+    assert start.at_peak[ACTIVATIONS] - fused.at_peak[ACTIVATIONS] == scores - lse
+    # the evaluations of the first two steps are alive (their losses kept), not the third
+    evals = 2 * saved_bytes_of_one_eval_forward(s)
+    assert start.tagged(EVAL_ACTIVATIONS) == evals
+    no_grad = by_key["no_grad_eval"].peak
+    assert start.at_peak[ACTIVATIONS] - no_grad.at_peak[ACTIVATIONS] == evals
+    # zeroed gradients of every parameter are held through the forward pass
+    grads = sum(block(4 * n) for n in run.model["trainable_numels"])
+    assert start.at_peak[GRADIENTS] == grads
+    assert by_key["zero_grad_set_to_none"].peak.at_peak[GRADIENTS] == 0
+    assert by_key["zero_grad_set_to_none"].peak.at_step == start.at_step
+
+
+def test_the_facts_name_the_users_objects_and_the_snippets_compile(runs: Path):
+    run = load_run(runs / "bad")
+    assert run.model["zero_grad_set_to_none"] is False
+    assert run.model["eval_module"] == "Sequential"
+    assert run.model["attention"] == {"fused": False, "score_shape": [4, 2, 512, 512],
+                                      "score_dtype": "float32", "module": "Attention"}
+    advice = advise(run, parse_budget("1MiB"))
+    remedies = forward_remedies(advice.start, advice.context)
+    assert {r.key for r in remedies} == KEYS
+    for remedy in remedies:
+        compile(remedy.snippet, remedy.key, "exec")
+        assert remedy.seed.startswith("seed 00") and remedy.assumptions
+        assert not remedy.verify  # estimate only: memprof cannot apply them to the script
+    fused = next(r for r in remedies if r.key == "fused_attention")
+    assert "Attention" in fused.title and "Attention.forward" in fused.snippet
+    assert "4x2x512x512 float32" in fused.assumptions
+
+
+def test_none_is_offered_where_the_script_already_does_it(runs: Path):
+    run = load_run(runs / "good")
+    assert run.model["attention"]["fused"] is True
+    assert run.model["zero_grad_set_to_none"] is True and run.model["eval_module"] is None
+    assert run.device["tagged"] is None
+    advice = advise(run, parse_budget("1MiB"))
+    assert not KEYS & {r.remedy.key for r in advice.ranked}
+
+
+def test_json_lists_them_as_estimates(runs: Path):
+    advice = advice_json(runs, "bad", "--budget", "1MB")
+    by_key = {r["key"]: r for r in advice["remedies"]}
+    assert set(by_key) >= KEYS
+    assert all(by_key[k]["saved_bytes"] > 0 for k in KEYS)
+
+
+def eval_tags(backward: bool) -> list[list[object]]:
+    """The tags of a recording of one forward in eval mode with grad enabled."""
+    from memprof.collect.cpu_recorder import CpuRecorder
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 1)).eval()
+    with CpuRecorder() as recorder:
+        loss = model(torch.randn(32, 64)).sum()
+        if backward:
+            loss.backward()
+    return recorder.snapshot()["memprof"]["tags"]
+
+
+def test_a_backpropagated_eval_mode_forward_is_not_an_evaluation():
+    # the input and the ReLU's output are saved; a frozen module in eval mode that training
+    # backpropagates through (a teacher, a frozen encoder) keeps its graph for a reason
+    assert [tag for _, tag in eval_tags(backward=False)] == [EVAL_ACTIVATIONS] * 2
+    assert eval_tags(backward=True) == []
