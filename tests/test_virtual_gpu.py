@@ -177,6 +177,22 @@ def checkpoints(where: Path) -> Result:
     return inline(where, None, "checkpoints", CHECKPOINTS, str(where / "real.pt"))
 
 
+MASKED_ATTENTION = """\
+import torch
+import torch.nn.functional as F
+q, k, v = (torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+mask = torch.ones(128, 128, dtype=torch.bool, device="cuda").tril()  # as Hugging Face passes
+F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+print(q.grad.shape)
+"""
+
+
+@job
+def masked_attention(where: Path) -> Result:
+    return inline(where, "H100", "masked", MASKED_ATTENTION)
+
+
 CPU_ONLY = """\
 import torch
 torch.manual_seed(0)
@@ -290,6 +306,17 @@ def test_v100_falls_back_to_math_attention(runs: dict[str, Future[Any]]) -> None
     sizes = _attention_allocs(where)
     assert b * h * s * s * BF16 in sizes  # the attention matrix
     assert b * h * s * F32 not in sizes
+
+
+def test_a_boolean_mask_becomes_the_efficient_kernels_bias(runs: dict[str, Future[Any]]
+                                                          ) -> None:
+    # flash takes no mask: memory-efficient attention gets it as a bf16 additive bias of the
+    # mask's own shape, as sdp_utils' convert_boolean_attn_mask makes it
+    result, where = finished(runs, "masked_attention")
+    assert result.stdout.strip() == "torch.Size([2, 4, 128, 64])"
+    snapshot = pickle.loads((where / "out" / "snapshot.pickle").read_bytes())
+    sizes = [e["size"] for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+    assert 128 * 128 * BF16 in sizes
 
 
 # --- what the script sees --------------------------------------------------------------

@@ -36,8 +36,9 @@ CATEGORY_NAMES = {
     "other": "other",
 }
 
-NO_STEPS_RECORDED = ("the script never called optimizer.step() (manual parameter updates?), so"
-                     " per-step figures and the leak verdict are unavailable")
+NO_STEPS_RECORDED = ("no optimizer.step() was recorded (the script updates parameters itself, or"
+                     " it ended before its first step), so per-step figures and the leak"
+                     " verdict are unavailable")
 NO_STEPS_FOREIGN = ("the snapshot does not mark optimizer steps (memprof run records them), so"
                     " per-step figures and the leak verdict are unavailable")
 

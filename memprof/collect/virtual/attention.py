@@ -67,8 +67,9 @@ def sdpa(card: Card, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def _expanded_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-            mask.logical_not(), -math.inf)
+        # as sdp_utils' convert_boolean_attn_mask; made from the virtual tensors, since a
+        # factory asked for "cuda" here (below the routing mode) would reach the real backend
+        mask = torch.where(mask.logical_not(), -math.inf, q.new_zeros(()))
     return mask.expand(q.size(0), q.size(1), q.size(2), k.size(2))
 
 
