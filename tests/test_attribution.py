@@ -83,6 +83,21 @@ def test_module_bytes_at_the_peak_are_exact(runs: dict[str, Future[Any]], kind: 
     assert first["share"] == round(fc / peak, 6)
 
 
+@pytest.mark.parametrize("kind", ["cpu", "virtual"])
+def test_the_repeated_blocks_share_of_each_category(runs: dict[str, Future[Any]],
+                                                    kind: str) -> None:
+    # what checkpointing can shrink: what blocks.N made, not the root's buffer or the input
+    device = _device(runs, kind)
+    inside = device["categories_in_blocks"]
+    width, hidden = SIZES["width"], SIZES["hidden"]
+    weights = block(hidden * width * F32) + block(hidden * F32) + \
+        block(width * hidden * F32) + block(width * F32)
+    assert inside["parameters"] == SIZES["blocks"] * weights == device["categories"]["parameters"]
+    assert inside["buffers"] == 0 < device["categories"]["buffers"]
+    in_blocks = sum(b for m, b in _modules(device).items() if m.startswith("blocks."))
+    assert sum(inside.values()) == in_blocks
+
+
 def test_the_model_code_frame_is_the_forward_line(runs: dict[str, Future[Any]]) -> None:
     line = next(i for i, text in enumerate(SCRIPT.read_text().splitlines(), 1)
                 if "return self.proj(self.act(self.fc(x)))" in text)

@@ -192,3 +192,30 @@ def test_the_default_source_is_the_newest_run(runs: Path, tmp_path: Path):
         (tmp_path / "reports" / name / "report.json").write_bytes(data)
     result = suggest(tmp_path, "--budget", "1GB")
     assert result.code == 0 and "reports/lm/report.json" in result.stdout
+
+
+FAILS_SMALLER = """\
+import argparse
+import torch
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch", type=int, default=8192)
+batch = parser.parse_args().batch
+if batch < 8192:
+    raise ValueError("this script needs batches of 8192")
+model = torch.nn.Linear(512, 512).cuda()
+optimizer = torch.optim.Adam(model.parameters())
+for _ in range(2):
+    model(torch.randn(batch, 512, device="cuda")).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_a_rerun_that_fails_is_refused_not_measured(tmp_path: Path):
+    (tmp_path / "fails_smaller.py").write_text(FAILS_SMALLER)
+    assert memprof_run(tmp_path, "-o", "run", "fails_smaller.py", "--batch", "8192").code == 0
+    result = suggest(tmp_path, "run", "--budget", "1MB", "--verify", "--batch-arg", "batch")
+    assert result.code == 2, result.stdout + result.stderr
+    error, = result.stderr.strip().splitlines()[-1:]
+    assert "failed (exit code 1): ValueError: this script needs batches of 8192" in error
+    assert "Traceback" not in result.stderr

@@ -10,6 +10,7 @@ from memprof.advise.peak import Peak, peak_of
 from memprof.advise.plan import Plan, Ranked, plan, rank
 from memprof.advise.remedies import Context, catalogue
 from memprof.advise.source import Run
+from memprof.trace.model import ACTIVATIONS, TEMPORARIES
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,19 @@ def advise(run: Run, budget: Budget, gpus: int = 1) -> Advice:
     """Rank the remedies that apply to ``run`` and plan a fit under ``budget``."""
     start = peak_of(run.device)
     ctx = Context(run.model, gpus, int(run.facts.get("world_size") or 1),
-                  _expandable_ratio(run, start), run.device.get("leak"))
+                  _expandable_ratio(run, start), run.device.get("leak"), _block_shares(run))
     remedies = catalogue(start, ctx) + forward_remedies(start, ctx)
     return Advice(run, budget, start, rank(start, remedies), plan(start, remedies, budget.bytes),
                   ctx)
+
+
+def _block_shares(run: Run) -> dict[str, float] | None:
+    """The share of the peak's activations and temporaries that repeated blocks held."""
+    held, inside = run.device.get("categories") or {}, run.device.get("categories_in_blocks")
+    if not isinstance(inside, dict):
+        return None
+    return {k: inside.get(k, 0) / held[k] if held.get(k) else 1.0
+            for k in (ACTIVATIONS, TEMPORARIES)}
 
 
 def _expandable_ratio(run: Run, start: Peak) -> float | None:

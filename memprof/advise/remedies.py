@@ -52,6 +52,9 @@ class Context:
     world_size: int = 1
     expandable_ratio: float | None = None  # cache per allocated byte with expandable segments
     leak: dict[str, Any] | None = None  # the report's leak verdict
+    # of the activations and temporaries at the recorded peak, the share that the repeated
+    # blocks' modules held (memprof run's attribution); None: unknown, taken as all
+    block_shares: dict[str, float] | None = None
 
     @property
     def optimizer(self) -> dict[str, Any]:
@@ -135,14 +138,18 @@ def _checkpointing(ctx: Context) -> list[Remedy]:
         return []
     n, name = block["count"], block["class"]
 
-    def keeping(segments: int) -> Callable[[Peak], Peak]:
-        kept = 1 / segments + BLOCK_INPUT_SHARE * segments / n
-        kept = min(1.0, kept)
-        return lambda p: p.scaled({ACTIVATIONS: kept, TEMPORARIES: kept}, step_too=False)
+    shares = ctx.block_shares or {ACTIVATIONS: 1.0, TEMPORARIES: 1.0}
 
-    common = (f"the activations and temporaries at the peak are the {n} {name} blocks', evenly;"
-              f" a block's input is {BLOCK_INPUT_SHARE:.0%} of what it saves (a transformer"
-              " block)")
+    def keeping(segments: int) -> Callable[[Peak], Peak]:
+        kept = min(1.0, 1 / segments + BLOCK_INPUT_SHARE * segments / n)
+        return lambda p: p.scaled({k: 1 - share * (1 - kept) for k, share in shares.items()},
+                                  step_too=False)
+
+    held = (f"{shares[ACTIVATIONS]:.0%} of the activations and {shares[TEMPORARIES]:.0%} of"
+            " the temporaries at the peak (as memprof run attributed them to modules)"
+            if ctx.block_shares else "the activations and temporaries at the peak")
+    common = (f"{held} are the {n} {name} blocks', evenly; a block's input is"
+              f" {BLOCK_INPUT_SHARE:.0%} of what it saves (a transformer block)")
     remedies = [Remedy(
         "checkpoint_blocks", f"activation checkpointing of each {name} ({n} blocks)",
         "checkpointing", 6, "compute: one more forward of each block in backward (~30%)",

@@ -69,8 +69,13 @@ class Rerun:
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 raise MemprofError(f"re-running {' '.join(target)} failed: {last[:200]}")
             data = json.loads(report.read_text())
-        if data["run"]["exit"]["status"] == "raised" and any(d.get("oom") for d in data["devices"]):
+        ended = data["run"]["exit"]
+        if ended["status"] == "raised" and any(d.get("oom") for d in data["devices"]):
             return None
+        if ended["code"]:  # a peak from a run that failed is no measurement
+            changed = f" with {json.dumps(apply)}" if apply else ""
+            raise MemprofError(f"re-running {' '.join(target)}{changed} failed (exit code"
+                               f" {ended['code']}): {(ended.get('error') or '')[:200]}")
         if not data["devices"]:
             raise MemprofError(f"re-running {' '.join(target)}: it made no CUDA tensor")
         return peak_of(max(data["devices"], key=lambda d: d["peak"]["reserved_bytes"]))

@@ -27,7 +27,7 @@ from memprof.analysis.findings import (
     Timeline,
 )
 from memprof.analysis.intervals import Intervals, intervals
-from memprof.analysis.modules import model_frame, rank_modules
+from memprof.analysis.modules import in_block, model_frame, rank_modules
 from memprof.analysis.replay import Check, Moment, Replay, replay
 from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
@@ -201,8 +201,14 @@ class _Describer:
         events, ends = rows.event.tolist(), rows.end.tolist()
         frames = [self._frames(e, i) for e, i in zip(events, rows.initial.tolist(), strict=True)]
         categories = dict.fromkeys(CATEGORIES, 0)
+        in_blocks = dict.fromkeys(CATEGORIES, 0) if self.modules else {}
+        paths = self.modules or {}
         for event, end, size, stack in zip(events, ends, sizes, frames, strict=True):
-            categories[self._category(event, end, stack)] += size
+            category = self._category(event, end, stack)
+            categories[category] += size
+            path = paths.get(event)
+            if path is not None and in_block(path):
+                in_blocks[category] += size
         total = sum(sizes)
         groups: dict[str, list] = {}
         for size, stack, event in zip(sizes, frames, events, strict=True):
@@ -213,7 +219,8 @@ class _Describer:
         ranked = sorted(groups.items(), key=lambda kv: (-kv[1][1], kv[0]))[: top or self.top]
         sites = [SiteUsage(label, s.user, s.call, b, c, b / total if total else 0.0)
                  for label, (s, b, c) in ranked]
-        return Live(total, categories, sites, self._modules(events, sizes, frames, total, top))
+        return Live(total, categories, sites, self._modules(events, sizes, frames, total, top),
+                    in_blocks)
 
     def _modules(self, events: list[int], sizes: list[int], frames: list[Frames], total: int,
                  top: int | None) -> list[ModuleUsage]:

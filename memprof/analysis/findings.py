@@ -41,6 +41,9 @@ class Live:
     categories: dict[str, int]
     sites: list[SiteUsage]
     modules: list[ModuleUsage] = field(default_factory=list)
+    # bytes by category that the elements of module lists held (``blocks.3``,
+    # ``transformer.h.0``: the repeated blocks); empty where modules are unknown
+    in_blocks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

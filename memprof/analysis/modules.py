@@ -37,3 +37,9 @@ def rank_modules(rows: Iterable[tuple[str, int, Frame | None]], total: int, top:
                         max(frames, key=lambda f: (frames[f], f.filename, -f.line),
                             default=None))
             for path, ((held, count), frames) in ranked]
+
+
+def in_block(path: str) -> bool:
+    """Whether a module path lies inside an element of a module list or sequence (a part
+    after the first dotted part is a number: ``blocks.3.attn``, ``transformer.h.0``)."""
+    return any(part.isdigit() for part in path.split(".")[1:])

@@ -62,6 +62,8 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
         "end": {"allocated_bytes": d.end_allocated_bytes, "reserved_bytes": d.end_reserved_bytes},
         "categories": d.at_peak.categories,
         "categories_inferred": d.categories_inferred,
+        # of those, what the repeated blocks' modules held (memprof run only; else null)
+        "categories_in_blocks": d.at_peak.in_blocks or None,
         # the most each category held at any time (exact categories only)
         "category_peaks": None if d.category_timeline is None else
         {k: int(v.max()) for k, v in d.category_timeline.items()},

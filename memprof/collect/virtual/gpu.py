@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import _foreach_supported_types
+from torch.overrides import _get_current_function_mode_stack
 
 from memprof.collect.virtual import autocast
 from memprof.collect.virtual.cards import Card
@@ -56,6 +57,7 @@ class VirtualGpu:
         # on the tensor, not in the routing mode: DataLoader pins batches on a thread of its
         # own, where the (thread-local) mode does not reach
         patches[(torch.Tensor, "pin_memory")] = _pinned
+        patches[(torch.autograd, "_engine_run_backward")] = self._backward
         for (owner, name), value in patches.items():
             self._saved[(owner, name)] = getattr(owner, name)
             setattr(owner, name, value)
@@ -66,6 +68,20 @@ class VirtualGpu:
         self._checkpoints.install()
         self._routing.__enter__()
         return self
+
+    def _backward(self, *args: Any, **kwargs: Any) -> Any:
+        """The autograd engine, run with the routing mode on its stack.
+
+        ``backward()`` reaches the engine through the mode's handler, where the mode is
+        off; the engine hands its threads the modes active when it starts, and code that
+        runs in backward (checkpointing's recomputation) must make CUDA tensors virtual
+        and pick the card's attention kernel as the forward did.
+        """
+        engine = self._saved[(torch.autograd, "_engine_run_backward")]
+        if any(m is self._routing for m in _get_current_function_mode_stack()):
+            return engine(*args, **kwargs)
+        with self._routing:
+            return engine(*args, **kwargs)
 
     def __exit__(self, *exc: object) -> None:
         self._routing.__exit__(None, None, None)
