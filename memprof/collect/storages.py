@@ -44,8 +44,8 @@ Event = dict[str, Any]
 SYNTHETIC_BASE = 1 << 48
 _SYNTHETIC_STEP = 512
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
-# A ring buffer is trimmed when it holds this much more than its limit: trimming costs
-# a pass over the buffer, so it must not happen every event.
+# A ring buffer is trimmed when it has grown by this share since its last trim (and holds
+# more than its limit): a trim is a pass over the buffer, live allocations included.
 _TRIM_SLACK = 0.25
 
 
@@ -117,6 +117,7 @@ class StorageTracker(TorchDispatchMode):
         self.max_entries = max_entries
         self.dropped = 0  # events the ring buffer dropped
         self.steps: list[int] = []  # len(events) at each optimizer step's end, kept current
+        self._trim_at = None if max_entries is None else int(max_entries * (1 + _TRIM_SLACK))
         self.survivors: list[Event] = []
         self.known: dict[int, str] = {}  # id(alloc event) -> category the tracker knows
         self.modules: dict[int, str] = {}  # id(alloc event) -> path of the module that made it
@@ -151,8 +152,7 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if self.max_entries is not None and len(self.events) > self.max_entries * (
-                1 + _TRIM_SLACK):
+        if self._trim_at is not None and len(self.events) > self._trim_at:
             self._trim()
         out = func(*args, **kwargs)
         self._record(out, func, args, kwargs)
@@ -215,6 +215,7 @@ class StorageTracker(TorchDispatchMode):
         self.events = [head[i] for i in sorted(keep)] + self.events[cut:]
         self.steps = [end - bisect.bisect_left(dropped, end) for end in self.steps]
         self.dropped += len(dropped)
+        self._trim_at = int(max(len(self.events), self.max_entries) * (1 + _TRIM_SLACK))
         return dropped
 
     def _classify(self, func: object, t: torch.Tensor) -> None:
