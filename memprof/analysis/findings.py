@@ -179,6 +179,7 @@ class DeviceFindings:
     last_time_us: int | None
     blocks_before_window: int
     bytes_before_window: int
+    events_dropped: int  # by memprof's own ring buffer (its recorders keep live allocations)
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     reserved_at_peak_bytes: int

@@ -10,6 +10,7 @@ memory viewer read it like a snapshot recorded on a GPU.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,16 @@ class Placer:
         else:
             self.position.append(len(out))
             out.append(event)
+
+    def forget(self, dropped: list[int]) -> None:
+        """Drop the placed copies of the input events at ``dropped`` (ascending indices;
+        a ring buffer's oldest events), keeping the segment events; later positions shift."""
+        gone_set = {self.position[i] for i in dropped} - {-1}
+        gone = sorted(gone_set)
+        self.trace = [e for j, e in enumerate(self.trace) if j not in gone_set]
+        dropped_set = set(dropped)
+        self.position = [p - bisect.bisect_left(gone, p) if p >= 0 else -1
+                         for i, p in enumerate(self.position) if i not in dropped_set]
 
     def release_cached(self, time_us: int) -> None:
         """``empty_cache()``: return cached segments to the device, with their trace events."""

@@ -48,12 +48,12 @@ class LabelHooks:
     """Global hooks that mark the alloc events of `tracker` with their category."""
 
     def __init__(self, tracker: StorageTracker) -> None:
-        self.steps: list[int] = []
         self.model: dict[str, Any] = {}  # model_facts(), filled by remove()
         self._autocast: str | None = None  # CUDA autocast dtype seen in a forward
         self._tracker = tracker
         self._marks: dict[int, str] = {}  # id(alloc event) -> category
         self._tags: dict[int, str] = {}  # id(alloc event) -> a TAGS entry
+        tracker.per_event += [self._marks, self._tags]
         self._eval_tagged = False
         self._forward = ForwardFacts()
         self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -166,8 +166,9 @@ class LabelHooks:
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         self._mark_state(optimizer)
-        self.steps.append(len(self._tracker.events))
-        if len(self.steps) <= 2:  # the state exists after a step; the objects may not at exit
+        steps = self._tracker.steps
+        steps.append(len(self._tracker.events))
+        if len(steps) <= 2:  # the state exists after a step; the objects may not at exit
             self.model = model_facts(self._modules, self._optimizers, self._autocast)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from memprof.collect.cpu_recorder import CpuRecorder
 from memprof.collect.endings import stops
 from memprof.collect.launch import Outcome, Target, run
 from memprof.collect.profiler import StepWindowProfiler
+from memprof.collect.storages import StorageTracker
 from memprof.trace.model import AllocatorSettings
 
 
@@ -37,7 +38,8 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
            seconds: float | None = None) -> Recording:
     """Run ``target`` once under memprof's recorders (and torch.profiler, with ``profile_to``),
     stopping it after ``steps`` optimizer steps or ``seconds`` when given."""
-    recorder = CpuRecorder()
+    # on a GPU the allocator's own history is the ring buffer; this recorder only labels it
+    recorder = CpuRecorder(None if use_cuda else StorageTracker(max_entries))
     history = cuda.CudaHistory(max_entries) if use_cuda else None
     if history is not None:
         history.start()

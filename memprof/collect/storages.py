@@ -9,10 +9,16 @@ the storage itself) reports the free.
     with StorageTracker() as tracker:
         train()
     tracker.events  # [{"action": "alloc", "addr", "size", "stream", "time_us", "frames"}, ...]
+
+With ``max_entries`` the trace is a ring buffer: when it grows past that many events, the
+oldest are dropped, except the alloc events of storages still allocated at the new first
+event, which stay (in order) at its head, so the state at every retained event, the
+categories of every allocation still alive and the final snapshot are complete.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import sys
 import time
@@ -38,6 +44,9 @@ Event = dict[str, Any]
 SYNTHETIC_BASE = 1 << 48
 _SYNTHETIC_STEP = 512
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+# A ring buffer is trimmed when it has grown by this share since its last trim (and holds
+# more than its limit): a trim is a pass over the buffer, live allocations included.
+_TRIM_SLACK = 0.25
 
 
 class _StorageRef(weakref.ref):
@@ -102,15 +111,22 @@ class StorageTracker(TorchDispatchMode):
     alive when it exits get no free event (see `survivors`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_entries: int | None = None) -> None:
         super().__init__()
         self.events: list[Event] = []
+        self.max_entries = max_entries
+        self.dropped = 0  # events the ring buffer dropped
+        self.steps: list[int] = []  # len(events) at each optimizer step's end, kept current
+        self._trim_at = None if max_entries is None else int(max_entries * (1 + _TRIM_SLACK))
         self.survivors: list[Event] = []
         self.known: dict[int, str] = {}  # id(alloc event) -> category the tracker knows
         self.modules: dict[int, str] = {}  # id(alloc event) -> path of the module that made it
         self.scope: Callable[[], str | None] | None = None  # the module allocating now
         self.square_scores: set[int] = set()  # id(alloc event) of T x T outputs of SCORE_OPS
         self.fused_attention = False  # a scaled_dot_product_attention kernel ran
+        # what is keyed by id(alloc event): purged when the ring buffer drops the event
+        self.per_event: list[dict[int, Any] | set[int]] = [
+            self.known, self.modules, self.square_scores]
         self._stacks = StackCapture()
         self._live: dict[int, _StorageRef] = {}
         self._addrs: set[int] = set()
@@ -136,6 +152,8 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if self._trim_at is not None and len(self.events) > self._trim_at:
+            self._trim()
         out = func(*args, **kwargs)
         self._record(out, func, args, kwargs)
         return out
@@ -167,6 +185,38 @@ class StorageTracker(TorchDispatchMode):
                 frame = frame or self._op_frame()
                 self._alloc(st, key, frame)
                 self._classify(func, t)
+
+    def _trim(self) -> list[int]:
+        """Drop the oldest events down to ``max_entries``, but for the alloc events of blocks
+        not freed before the new first event; return the dropped indices, ascending."""
+        cut = len(self.events) - self.max_entries  # type: ignore[operator]
+        if self.events[cut - 1]["action"] == "free_requested":
+            cut -= 1  # a free's two events stay together
+        head = self.events[:cut]
+        pending: dict[int, int] = {}  # addr -> index of the alloc of a block not yet freed
+        keep: set[int] = set()
+        for i, event in enumerate(head):
+            action = event["action"]
+            if action == "alloc":
+                pending[event["addr"]] = i
+            elif action == "free_completed":
+                pending.pop(event["addr"], None)
+            elif action != "free_requested":
+                keep.add(i)  # an out-of-memory record: rare, and the report's subject
+        keep.update(pending.values())
+        dropped = [i for i in range(cut) if i not in keep]
+        for i in dropped:
+            key = id(head[i])
+            for table in self.per_event:
+                if isinstance(table, set):
+                    table.discard(key)
+                else:
+                    table.pop(key, None)
+        self.events = [head[i] for i in sorted(keep)] + self.events[cut:]
+        self.steps = [end - bisect.bisect_left(dropped, end) for end in self.steps]
+        self.dropped += len(dropped)
+        self._trim_at = int(max(len(self.events), self.max_entries) * (1 + _TRIM_SLACK))
+        return dropped
 
     def _classify(self, func: object, t: torch.Tensor) -> None:
         """Note what the new allocation's op tells the savings models."""

@@ -103,7 +103,16 @@ def _headline(d: DeviceFindings) -> Table:
         t.add_row("before the window", f"{d.blocks_before_window:,} blocks",
                   Text(f"{fb(d.bytes_before_window)} allocated before the first recorded event"
                        " (the trace is a ring buffer)", "dim"))
+    if d.events_dropped:
+        t.add_row("dropped", f"{d.events_dropped:,} events", Text(ring_buffer_note(d), "dim"))
     return t
+
+
+def ring_buffer_note(d: DeviceFindings) -> str:
+    """What a trace from memprof's own ring buffer still tells exactly."""
+    return (f"The trace is a ring buffer (--max-entries): the {d.events_dropped:,} oldest events"
+            f" were dropped; the peak and steps are those of the last {d.events:,}, and every"
+            " allocation still alive kept its event.")
 
 
 def _live_tables(live: Live, inferred: bool, moment: str) -> Group:

@@ -51,6 +51,7 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
             "last_time_us": d.last_time_us,
             "blocks_before_window": d.blocks_before_window,
             "bytes_before_window": d.bytes_before_window,
+            "events_dropped": d.events_dropped,
         },
         "peak": {
             "allocated_bytes": d.peak_allocated_bytes,

@@ -13,6 +13,7 @@ from memprof.report.console import (
     CATEGORY_NAMES,
     modules_table,
     oom_group,
+    ring_buffer_note,
     sites_table,
     step_section,
 )
@@ -42,6 +43,8 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
                            " memprof's model of the CUDA caching allocator; reserved memory is"
                            " its prediction.", "dim"))
     console.print(breakdown(d, run))
+    if d.events_dropped:
+        console.print(Text(ring_buffer_note(d), "dim"))
     for part in step_section(d):
         console.print(part)
     console.print(sites_table(d.at_peak, "at the peak"))

@@ -155,6 +155,7 @@ class Snapshot:
     modules: dict[int, dict[int, str]] = field(default_factory=dict)
     model_files: frozenset[str] = frozenset()  # files defining those modules' forward
     tags: dict[int, dict[int, str]] = field(default_factory=dict)  # alloc event -> TAGS entry
+    dropped: dict[int, int] = field(default_factory=dict)  # events memprof's ring buffer dropped
 
     @property
     def devices(self) -> list[int]:

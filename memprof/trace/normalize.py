@@ -309,7 +309,11 @@ def _memprof_extra(snapshot: Snapshot, extra: dict) -> None:
             or steps != sorted(steps):
         raise NotASnapshot(f"{where}: 'steps' is not an increasing list of event indices"
                            f" in [0, {n:,}]")
+    dropped = extra.get("dropped_events", 0)
+    if type(dropped) is not int or dropped < 0:
+        raise NotASnapshot(f"{where}: 'dropped_events' is {describe(dropped)}, not a count")
     snapshot.labels = {device: dict(labels)}
+    snapshot.dropped = {device: dropped}
     snapshot.steps = {device: list(steps)}
     modules, files = extra.get("modules"), extra.get("model_files") or []
     if modules is not None:  # absent before memprof attributed modules

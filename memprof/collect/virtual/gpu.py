@@ -37,10 +37,10 @@ class VirtualGpu:
     """Installs the virtual card for the duration of a ``with`` block (single use)."""
 
     def __init__(self, card: Card, settings: AllocatorSettings,
-                 settings_dict: dict[str, Any] | None = None, announce: str | None = None
-                 ) -> None:
+                 settings_dict: dict[str, Any] | None = None, announce: str | None = None,
+                 max_entries: int | None = None) -> None:
         self.card = card
-        self.recorder = VirtualRecorder(card, settings, announce)
+        self.recorder = VirtualRecorder(card, settings, announce, max_entries)
         self.history = HistoryWindow(self.recorder, settings_dict or {})
         self._routing = CudaRouting(card)
         self._saved: dict[tuple[Any, str], Any] = {}

@@ -37,9 +37,9 @@ class _UserStacks(StackCapture):
 class VirtualRecorder(StorageTracker):
     """Records virtual CUDA storages and keeps the predicted allocator state current."""
 
-    def __init__(self, card: Card, settings: AllocatorSettings, announce: str | None = None
-                 ) -> None:
-        super().__init__()
+    def __init__(self, card: Card, settings: AllocatorSettings, announce: str | None = None,
+                 max_entries: int | None = None) -> None:
+        super().__init__(max_entries)
         self._announce = announce  # said when the first CUDA tensor is made
         self._stacks = _UserStacks()
         self.card = card
@@ -94,12 +94,15 @@ class VirtualRecorder(StorageTracker):
             with torch._C.DisableTorchFunction():
                 workspace = VirtualTensor(torch.empty(size, dtype=torch.uint8, device="meta"))
             self._held.append(workspace)
-            start = len(self.events)
             self._record(workspace, None, (), {})
-            for e in self.events[start:]:
-                if e["action"] == "alloc":  # the library's, not the running module's
-                    self.known[id(e)] = WORKSPACE
-                    self.modules.pop(id(e), None)
+            for e in self.alloc_events(workspace):  # the library's, not the running module's
+                self.known[id(e)] = WORKSPACE
+                self.modules.pop(id(e), None)
+
+    def _trim(self) -> list[int]:
+        dropped = super()._trim()
+        self.placer.forget(dropped)
+        return dropped
 
     def _op_frame(self) -> FrameType | None:
         frame = sys._getframe(1)

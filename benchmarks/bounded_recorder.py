@@ -1,0 +1,51 @@
+"""Peak RSS and wall time of `memprof run --device cpu` over plain `python`, on an LBFGS
+sequence model (hundreds of thousands of events per step: the ring buffer's case) and a
+small GPT (many small ops: the per-operator overhead's case).
+
+Usage: python benchmarks/bounded_recorder.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from measure import machine, run, write_table
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {
+    "LBFGS LSTMCell sequence": [ROOT / "benchmarks" / "workloads" / "lbfgs_sequence.py",
+                                "--steps", "1", "--length", "50"],
+    "small GPT (minGPT-like)": [ROOT / "sample_scripts" / "transformer_lm.py", "--device",
+                                "cpu", "--layers", "4", "--d-model", "64", "--heads", "4",
+                                "--seq", "64", "--batch", "4", "--steps", "30"],
+}
+
+
+def main() -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"  # the same threads for both commands
+    rows = []
+    for name, (script, *args) in WORKLOADS.items():
+        plain_cmd = [sys.executable, str(script), *args]
+        run(plain_cmd)  # warm the file cache and torch's first import
+        plain = run(plain_cmd, repeat=3)
+        with tempfile.TemporaryDirectory() as tmp:
+            profiled = run([sys.executable, "-m", "memprof", "run", "--device", "cpu",
+                            "--force", "-o", str(Path(tmp) / "run"), str(script), *args],
+                           repeat=3)
+        rows.append([name, f"{plain.seconds:.2f}", f"{profiled.seconds:.2f}",
+                     f"{profiled.seconds / plain.seconds:.2f}", f"{plain.peak_rss_mib:.0f}",
+                     f"{profiled.peak_rss_mib:.0f}",
+                     f"{profiled.peak_rss_mib / plain.peak_rss_mib:.2f}"])
+    write_table("bounded_recorder", ["workload", "python s", "memprof s", "time ratio",
+                                     "python MiB", "memprof MiB", "RSS ratio"], rows,
+                "Whole commands in fresh processes (OMP_NUM_THREADS=1), start-up, analysis and"
+                " the run folder included; medians of three (peak RSS: the largest), measured"
+                " in one run, with the default ring buffer (--max-entries 50,000). Targets:"
+                f" RSS <= 1.2x, time <= 1.3x. {machine()}.")
+
+
+if __name__ == "__main__":
+    main()

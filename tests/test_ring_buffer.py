@@ -1,0 +1,97 @@
+"""`memprof run --max-entries`: the CPU recorder's and the virtual GPU's ring buffer.
+
+A run with a small ring buffer must tell the user that its trace is one, and still give
+the exact peak (here, in the last step) and the exact categories of what is alive, as the
+same run with a buffer large enough for every event does, and keep the script's exit code.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.storages import StorageTracker
+from tests.test_run_cli import F32, block, memprof_run, report
+
+# ~7,000 events: churn of temporaries, then a step whose batch (so peak) grows each time
+SCRIPT = """\
+import sys
+import torch
+
+device = sys.argv[1]
+model = torch.nn.Linear(64, 64, device=device)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+for step in range(6):
+    for _ in range(200):
+        torch.ones(8, device=device) + 1
+    optimizer.zero_grad()
+    model(torch.ones(32 * (step + 1), 64, device=device)).sum().backward()
+    optimizer.step()
+sys.exit(3)
+"""
+SMALL = 1000
+ALL = 1_000_000
+MODEL_BYTES = block(64 * 64 * F32) + block(64 * F32)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Any]:
+    where = tmp_path_factory.mktemp("ring")
+    (where / "train.py").write_text(SCRIPT)
+    cases = {("cpu", SMALL): ["--device", "cpu"], ("cpu", ALL): ["--device", "cpu"],
+             ("cuda", SMALL): ["--virtual-gpu", "H100"], ("cuda", ALL): ["--virtual-gpu", "H100"]}
+
+    def one(case: tuple[str, int]) -> tuple[Any, dict[str, Any]]:
+        out = f"{case[0]}-{case[1]}"
+        result = memprof_run(where, *cases[case], "--max-entries", str(case[1]), "-o", out,
+                             "train.py", case[0])
+        return result, report(Path(where, out))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(cases, pool.map(one, cases), strict=True))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_small_ring_buffer_says_so_and_keeps_the_peak_exact(runs: dict, device: str) -> None:
+    (small, bounded), (full, unbounded) = runs[device, SMALL], runs[device, ALL]
+    assert small.code == full.code == 3
+    d, whole = bounded["devices"][0], unbounded["devices"][0]
+    assert whole["window"]["events_dropped"] == 0
+    assert d["window"]["events_dropped"] > 4 * SMALL
+    assert d["events"] < whole["events"] - 4 * SMALL
+    assert "The trace is a ring buffer (--max-entries)" in small.stderr
+    assert "ring buffer" not in full.stderr
+    assert d["peak"]["allocated_bytes"] == whole["peak"]["allocated_bytes"]
+    assert d["categories"] == whole["categories"]
+    assert d["categories"]["parameters"] == MODEL_BYTES
+    assert d["categories"]["optimizer_state"] == MODEL_BYTES  # momentum buffers, still alive
+    assert d["end"]["allocated_bytes"] == whole["end"]["allocated_bytes"]
+    assert bounded["run"]["optimizer_steps"] == unbounded["run"]["optimizer_steps"] == 6
+    assert d["steps"][-1]["peak_allocated_bytes"] == whole["steps"][-1]["peak_allocated_bytes"]
+
+
+def test_tracker_keeps_live_allocations_and_their_labels() -> None:
+    kept = []
+    tracker = StorageTracker(max_entries=100)
+    with CpuRecorder(tracker) as recorder:
+        for i in range(300):
+            x = torch.ones(1000 + i)
+            if i % 50 == 0:
+                kept.append(x)
+            x + 1
+        del x
+    snapshot = recorder.snapshot()
+    events = snapshot["device_traces"][0]
+    # trimmed before an operator once a quarter past its last trim; an op adds a few events
+    assert len(events) <= (100 + len(kept)) * 1.25 + 10
+    # each iteration: two allocs and, but for the kept ones, their two free events each
+    recorded = 300 * 2 * 3 - 2 * len(kept)
+    assert snapshot["memprof"]["dropped_events"] == tracker.dropped == recorded - len(events)
+    live = {e["size"] for e in events[:len(kept)]}
+    assert live == {(1000 + i) * F32 for i in range(0, 300, 50)}
+    assert [label for _, label in snapshot["memprof"]["labels"][:len(kept)]] == ["other"] * 6
