@@ -17,8 +17,9 @@ from memprof.errors import MemprofError
 # Default ring buffers: the GPU's allocator history keeps its events in C++; memprof's own
 # recorders keep Python objects, so their window is smaller (recording and analysing it
 # stay well under 100 MB).
-CUDA_MAX_ENTRIES = 1_000_000
-DEFAULT_MAX_ENTRIES = 50_000
+# PyTorch's allocator history and memprof's recorders alike: enough for the few steps a memory
+# profile needs; a longer run keeps its last events (and every allocation still alive)
+DEFAULT_MAX_ENTRIES = 1_000_000
 
 if TYPE_CHECKING:
     from memprof.analysis.findings import Findings
@@ -43,11 +44,9 @@ def run(
         "--alloc-conf", metavar="CONF", help="Allocator settings for the CPU prediction"
         " (default: $PYTORCH_CUDA_ALLOC_CONF), e.g. 'expandable_segments:True'.",
         show_default=False)] = None,
-    max_entries: Annotated[int | None, typer.Option(
+    max_entries: Annotated[int, typer.Option(
         "--max-entries", min=1000, help="Trace events kept (a ring buffer; allocations still"
-        " alive are always kept). Default: 1,000,000 on a GPU (its allocator history),"
-        f" {DEFAULT_MAX_ENTRIES:,} for the CPU recorder and the virtual GPU.",
-        show_default=False)] = None,
+        " alive are always kept).")] = DEFAULT_MAX_ENTRIES,
     virtual_gpu: Annotated[str | None, typer.Option(
         "--virtual-gpu", metavar="SPEC", help="Run on a virtual GPU: a card (H100, 'A100 40GB',"
         " 'RTX 4090', V100, T4, ...) or a size such as 24GiB. CUDA tensors get real shapes but"
@@ -128,11 +127,10 @@ def run(
             f"memprof: no GPU here: CUDA runs on a virtual {card.name} (--virtual-gpu SPEC for"
             " another card, --device cpu to record host tensors instead)")
         recording = record_virtual(target, card, settings, profile_path, announce, steps,
-                                   seconds, max_entries or DEFAULT_MAX_ENTRIES)
+                                   seconds, max_entries)
     else:
-        default = CUDA_MAX_ENTRIES if use_cuda else DEFAULT_MAX_ENTRIES
-        recording = session.record(target, use_cuda, max_entries or default, settings,
-                                   profile_path, steps, seconds)
+        recording = session.record(target, use_cuda, max_entries,
+                                   settings, profile_path, steps, seconds)
     if os.getpid() != parent:  # a child the script forked ran out its copy of the script
         raise typer.Exit(recording.outcome.exit_code)
     with finishing():
