@@ -56,6 +56,35 @@ def test_forked_child_writes_nothing(tmp_path: Path) -> None:
     assert report(out)["run"]["exit"]["code"] == 0
 
 
+WORKERS = """\
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.data import DataLoader, Dataset
+
+
+class Modes(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):  # runs in a worker process
+        return torch.tensor(int(_get_current_dispatch_mode() is not None))
+
+
+for batch in DataLoader(Modes(), batch_size=2, num_workers=2):
+    print("recording in a worker:", bool(batch.sum()))
+"""
+
+
+def test_dataloader_workers_do_not_record(tmp_path: Path) -> None:
+    # a forked worker inherits the recorder's dispatch mode: it must drop it (a worker loop
+    # ran 6x slower under it), and the parent's report is whole
+    (tmp_path / "w.py").write_text(WORKERS)
+    result = memprof_run(tmp_path, "-o", "out", "--device", "cpu", "w.py")
+    assert result.code == 0, result.stderr
+    assert result.stdout.splitlines() == ["recording in a worker: False"] * 2
+    assert report(tmp_path / "out")["run"]["exit"]["status"] == "completed"
+
+
 def test_script_excepthook_is_used(tmp_path: Path) -> None:
     hook = ("sys.excepthook = lambda t, e, tb: print('HOOK', t.__name__, file=sys.stderr)\n"
             "    if i == 1: raise ValueError('x')")

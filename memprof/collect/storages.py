@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 import sys
 import time
 import weakref
@@ -31,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
+    _pop_mode,
     is_traceable_wrapper_subclass,
 )
 
@@ -47,6 +49,21 @@ _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 # A ring buffer is trimmed when it has grown by this share since its last trim (and holds
 # more than its limit): a trim is a pass over the buffer, live allocations included.
 _TRIM_SLACK = 0.25
+
+
+_RECORDING: weakref.WeakSet[StorageTracker] = weakref.WeakSet()
+
+
+def _stop_in_child() -> None:
+    """A forked child (a DataLoader worker) records nothing: the parent's trace never sees
+    its storages, and the dispatch mode it inherited would only slow it down."""
+    for tracker in list(_RECORDING):
+        tracker._forked = True
+        if _get_current_dispatch_mode() is tracker:
+            _pop_mode()
+
+
+os.register_at_fork(after_in_child=_stop_in_child)
 
 
 class _StorageRef(weakref.ref):
@@ -135,15 +152,20 @@ class StorageTracker(TorchDispatchMode):
         self._wrappers: frozenset[int] = frozenset()
         self._epoch_us = 0
         self._origin_ns = 0
+        self._forked = False
 
     def __enter__(self) -> StorageTracker:
         self._wrappers = _dispatch_wrapper_codes()
         self._epoch_us = time.time_ns() // 1000
         self._origin_ns = time.perf_counter_ns()
         super().__enter__()
+        _RECORDING.add(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _RECORDING.discard(self)
+        if self._forked:
+            return  # a forked child's copy: it stopped recording at the fork
         if _get_current_dispatch_mode() is not self:
             raise RuntimeError("a dispatch mode entered during recording is still active")
         super().__exit__(*exc)
@@ -258,7 +280,7 @@ class StorageTracker(TorchDispatchMode):
         self.events.append(event)
 
     def _on_free(self, ref: _StorageRef) -> None:
-        if self._live.get(ref.key) is ref:
+        if not self._forked and self._live.get(ref.key) is ref:
             self._free(ref, sys._getframe(1))
 
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
