@@ -10,6 +10,7 @@ follows a recording; without one it predicts where the allocator would place a b
 from __future__ import annotations
 
 import bisect
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from memprof.trace.model import AllocatorSettings
@@ -106,6 +107,7 @@ class CachingAllocator:
         self._gc_clock = 0  # searches of the default large pool, the garbage collector's clock
         self.max_split = self.settings.max_split_size or (1 << 63) - 1
         self._any_divisions = any(d > 1 for d in self.settings.roundup_power2_divisions)
+        self._expandable = self.settings.expandable_segments
         # free blocks per (pool id, small?), kept sorted by (stream, size, addr)
         self._free: dict[tuple[tuple[int, int], bool], list[tuple[int, int, int]]] = {}
         self._blocks: dict[int, Block] = {}  # every block, by start address
@@ -210,20 +212,18 @@ class CachingAllocator:
 
     # -- policy --------------------------------------------------------------------------
 
-    def pool_key(self, rounded: int, pool: tuple[int, int]) -> tuple[tuple[int, int], bool]:
-        return (pool, rounded <= SMALL_SIZE)
-
     def find_free(self, rounded: int, stream: int, pool: tuple[int, int]) -> Block | None:
         """The cached block best fit would take for ``rounded`` bytes, or None."""
-        if self.limit is not None and rounded > SMALL_SIZE and pool == DEFAULT_POOL:
+        small = rounded <= SMALL_SIZE
+        if self.limit is not None and not small and pool == DEFAULT_POOL:
             self._gc_clock += 1
-        keys = self._free.get(self.pool_key(rounded, pool))
+        keys = self._free.get((pool, small))
         if not keys:
             return None
         i = bisect.bisect_left(keys, (stream, rounded, 0))
         if i == len(keys) or keys[i][0] != stream:
             return None
-        if self.settings.expandable_segments:
+        if self._expandable:
             # A block before unmapped pages counts as big as it could grow: holes come first.
             while (i + 1 < len(keys) and keys[i + 1][0] == stream
                    and self._growable_size(keys[i + 1]) < self._growable_size(keys[i])):
@@ -241,7 +241,7 @@ class CachingAllocator:
 
     def should_split(self, block: Block, rounded: int) -> bool:
         remaining = block.size - rounded
-        if block.seg.small or self.settings.expandable_segments:
+        if block.seg.small or self._expandable:
             return remaining >= MIN_BLOCK
         return rounded < self.max_split and remaining > SMALL_SIZE
 
@@ -263,7 +263,7 @@ class CachingAllocator:
     def _grow_for(self, rounded: int, stream: int, pool: tuple[int, int], requested: int
                   ) -> Block:
         """Obtain device memory for ``rounded`` bytes, releasing cache under a limit first."""
-        expandable = self.settings.expandable_segments
+        expandable = self._expandable
         need = self.grow_plan(rounded, stream, pool)[1] if expandable else \
             self.segment_size(rounded)
         if self.limit is not None and self.reserved + need > self.limit:
@@ -314,7 +314,7 @@ class CachingAllocator:
         that is big enough, else the largest down (``release_available_cached_blocks``)."""
         if self.settings.max_split_size is None:
             return
-        keys = self._free.get(self.pool_key(rounded, pool), [])
+        keys = self._free.get((pool, rounded <= SMALL_SIZE), [])
         want = max(rounded, self.max_split)
         i = bisect.bisect_left(keys, (stream, want, 0))
         if i < len(keys) and keys[i][0] == stream:
@@ -354,17 +354,20 @@ class CachingAllocator:
         """Return a block to its pool, merging it with free neighbours (free_completed)."""
         if block.allocated:
             self.release_stats(block)
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.cached and neighbour.mapped == block.mapped:
-                self._merge(block, neighbour)
+        before, after = block.prev, block.next
+        if before is not None and before.cached and before.mapped == block.mapped:
+            self._merge(block, before)
+        if after is not None and after.cached and after.mapped == block.mapped:
+            self._merge(block, after)
         block.cached = True
         self._insert_free(block)
 
     def release_stats(self, block: Block) -> None:
         """Stop counting ``block`` as allocated (free_requested); it is reused only once freed."""
+        size = block.size
         block.allocated = False
-        self.allocated -= block.size
-        block.seg.group[2] -= block.size
+        self.allocated -= size
+        block.seg.group[2] -= size
         self.requested -= block.requested
 
     # -- expandable segments --------------------------------------------------------------
@@ -529,34 +532,37 @@ class CachingAllocator:
         return rest
 
     def _hand_out(self, block: Block, requested: int) -> Block:
+        size = block.size
         block.cached = False
         block.allocated = True
         block.requested = requested
-        self.allocated += block.size
-        block.seg.group[2] += block.size
+        self.allocated += size
+        block.seg.group[2] += size
         self.requested += requested
         return block
 
     def _index(self, block: Block) -> None:
         self._blocks[block.addr] = block
-        bisect.insort(self._starts, block.addr)
+        insort(self._starts, block.addr)
 
     def _unindex(self, addr: int) -> None:
         del self._blocks[addr]
-        del self._starts[bisect.bisect_left(self._starts, addr)]
+        del self._starts[bisect_left(self._starts, addr)]
 
     def _insert_free(self, block: Block) -> None:
-        bisect.insort(block.seg.free_keys, (block.seg.stream, block.size, block.addr))
+        seg, size = block.seg, block.size
+        insort(seg.free_keys, (seg.stream, size, block.addr))
         block.gc_base = self._gc_clock
-        self.cached_bytes += block.size
+        self.cached_bytes += size
 
     def _remove_free(self, block: Block) -> None:
-        keys = block.seg.free_keys
-        key = (block.seg.stream, block.size, block.addr)
-        i = bisect.bisect_left(keys, key)
+        seg, size = block.seg, block.size
+        keys = seg.free_keys
+        key = (seg.stream, size, block.addr)
+        i = bisect_left(keys, key)
         if i < len(keys) and keys[i] == key:
             del keys[i]
-            self.cached_bytes -= block.size
+            self.cached_bytes -= size
 
     def _synthetic_address(self, size: int) -> int:
         """An address for a segment the simulator creates, apart from every other one."""
