@@ -243,12 +243,6 @@ class CachingAllocator:
         return (key >> _KEY_SHIFT) + (_UNMAPPED_SPACE if block.seg.expandable
                                       and block.next is None else 0)
 
-    def should_split(self, block: Block, rounded: int) -> bool:
-        remaining = block.size - rounded
-        if block.seg.small or self._expandable:
-            return remaining >= MIN_BLOCK
-        return rounded < self.max_split and remaining > SMALL_SIZE
-
     def malloc(self, requested: int, stream: int = 0, pool: tuple[int, int] = DEFAULT_POOL,
                at: int | None = None) -> Block:
         """Allocate ``requested`` bytes; ``at`` forces the address a recording chose."""
@@ -342,7 +336,9 @@ class CachingAllocator:
     def allocate_from(self, block: Block, requested: int, rounded: int) -> Block:
         """Allocate ``requested`` (rounded to ``rounded``) bytes from the free ``block``."""
         self._remove_free(block)
-        if self.should_split(block, rounded):
+        remaining = block.size - rounded
+        if (remaining >= MIN_BLOCK if block.seg.small or self._expandable
+                else rounded < self.max_split and remaining > SMALL_SIZE):  # should_split
             self._split(block, rounded)
         return self._hand_out(block, requested)
 

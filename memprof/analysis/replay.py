@@ -185,7 +185,8 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     alloc = CachingAllocator(settings)
     initial = _rebuild_start(alloc, segments, trace)
     initial_allocated, initial_reserved = alloc.allocated, alloc.reserved
-    pools = {s.address: s.pool_id for s in segments}
+    # private pools only: most snapshots have none, and then allocations look nothing up
+    pools = {s.address: s.pool_id for s in segments if s.pool_id != DEFAULT_POOL}
 
     zeros = bytes(8 * n)
     block_size, delta_alloc = array("q", zeros), array("q", zeros)
