@@ -230,7 +230,8 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                 decisions.flush()  # growth no allocation followed
                 pending = decisions.pending
             if action in (_FREE_REQUESTED, _FREE_COMPLETED):
-                entry = live.get(addr)
+                completed = action == _FREE_COMPLETED
+                entry = live.pop(addr, None) if completed else live.get(addr)
                 if entry is None:
                     check.inconsistencies += 1
                     continue
@@ -246,10 +247,8 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                         end[start] = i
                     else:
                         initial_by_addr[addr].end = i
-                if action == _FREE_COMPLETED:
-                    del live[addr]
-                    if block is not None:
-                        free(block)
+                if completed and block is not None:
+                    free(block)
             elif action in (_SEGMENT_ALLOC, _SEGMENT_MAP):
                 delta_res[i] = size
                 pending.append((action, addr, size, stream))
