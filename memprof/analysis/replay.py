@@ -135,6 +135,14 @@ class _Decisions:
         _apply_growth(self.alloc, self.pending, self.pools)
         self.pending = []
 
+    def add_reproduced(self, count: int) -> None:
+        """Count ``count`` allocations of the common path: the recorded block, predicted."""
+        c = self.check
+        c.decisions_total += count
+        c.decisions_matched += count
+        c.addresses_total += count
+        c.addresses_matched += count
+
     def allocate(self, i: int, addr: int, size: int, stream: int, rounded: int,
                  pool: tuple[int, int], predicted: Block | None) -> tuple[Block | None, int]:
         """Tally the decision at event ``i`` and apply the recorded one: (block, its size)."""
@@ -263,9 +271,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                     check.inconsistencies += 1
             elif action == _OOM:
                 ooms.append(capture(alloc, i))
-    for field_name in ("decisions_total", "decisions_matched", "addresses_total",
-                       "addresses_matched"):
-        setattr(check, field_name, getattr(check, field_name) + reproduced)
+    decisions.add_reproduced(reproduced)
 
     def cumulative(start: int, deltas: array) -> np.ndarray:
         return start + np.cumsum(np.frombuffer(deltas, np.int64))
