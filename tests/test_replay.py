@@ -103,6 +103,17 @@ def test_best_fit_reuses_the_smallest_block_then_the_lowest_address():
     assert a.reserved == 100 * MIB
 
 
+def test_a_stream_reuses_only_its_own_cached_blocks():
+    a = CachingAllocator()
+    mine, other = a.malloc(30 * MIB, stream=1), a.malloc(40 * MIB, stream=2)
+    a.free(mine)
+    a.free(other)
+    assert a.free_stats().largest_block == 40 * MIB and a.free_stats().blocks == 2
+    assert a.malloc(35 * MIB, stream=1).seg not in (mine.seg, other.seg)  # 30 MiB too small
+    assert a.malloc(25 * MIB, stream=2).addr == other.addr
+    assert a.reserved == (30 + 40 + 36) * MIB
+
+
 def test_max_split_size_keeps_oversize_blocks_whole():
     a = CachingAllocator(parse_alloc_conf("max_split_size_mb:64"))
     big = a.malloc(100 * MIB)

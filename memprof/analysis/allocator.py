@@ -10,6 +10,7 @@ follows a recording; without one it predicts where the allocator would place a b
 from __future__ import annotations
 
 import bisect
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from memprof.trace.model import AllocatorSettings
@@ -24,6 +25,10 @@ DEFAULT_POOL = (0, 0)
 # The address space an expandable segment reserves beyond its mapped pages (about 1.125x
 # the device's memory): larger than any block, which is all the best-fit rule needs.
 _UNMAPPED_SPACE = 1 << 60
+# A free list orders its blocks by (size, address), packed in one int: ints compare faster
+# than tuples, and a free list is searched at every allocation and free.
+_KEY_SHIFT = 64
+_ADDR_MASK = (1 << _KEY_SHIFT) - 1
 
 
 class Block:
@@ -60,7 +65,7 @@ class Segment:
         self.small = small
         self.expandable = expandable
         self.first: Block | None = None
-        self.free_keys: list[tuple[int, int, int]] = []  # its pool's free list, set on adding
+        self.free_keys: list[int] = []  # its pool and stream's free list, set on adding
         self.group: list[int] = [0, 0, 0]  # its (pool, stream)'s counters, set on adding
 
     def blocks(self) -> list[Block]:
@@ -106,8 +111,9 @@ class CachingAllocator:
         self._gc_clock = 0  # searches of the default large pool, the garbage collector's clock
         self.max_split = self.settings.max_split_size or (1 << 63) - 1
         self._any_divisions = any(d > 1 for d in self.settings.roundup_power2_divisions)
-        # free blocks per (pool id, small?), kept sorted by (stream, size, addr)
-        self._free: dict[tuple[tuple[int, int], bool], list[tuple[int, int, int]]] = {}
+        self._expandable = self.settings.expandable_segments
+        # free blocks per (pool id, small?, stream), as sorted keys (see _KEY_SHIFT)
+        self._free: dict[tuple[tuple[int, int], bool, int], list[int]] = {}
         self._blocks: dict[int, Block] = {}  # every block, by start address
         self._starts: list[int] = []  # the same addresses, sorted: which block holds an address
         self.segments: dict[int, Segment] = {}
@@ -165,7 +171,7 @@ class CachingAllocator:
         """Add a segment of ``total`` free bytes (a cudaMalloc, or one found in a recording)."""
         small = total <= SMALL_BUFFER if small is None else small
         seg = Segment(addr, total, stream, pool, small, expandable)
-        seg.free_keys = self._free.setdefault((pool, small), [])
+        seg.free_keys = self._free.setdefault((pool, small, stream), [])
         block = Block(addr, total, seg)
         seg.first = block
         self.segments[addr] = seg
@@ -203,47 +209,39 @@ class CachingAllocator:
         for keys in self._free.values():
             if keys:
                 count += len(keys)
-                # sorted by (stream, size, addr): with one stream the last block is the largest
-                top = keys[-1][1] if keys[0][0] == keys[-1][0] else max(k[1] for k in keys)
-                largest = max(largest, top)
+                largest = max(largest, keys[-1] >> _KEY_SHIFT)
         return FreeBlockStats(self.cached_bytes, largest, count)
 
     # -- policy --------------------------------------------------------------------------
 
-    def pool_key(self, rounded: int, pool: tuple[int, int]) -> tuple[tuple[int, int], bool]:
-        return (pool, rounded <= SMALL_SIZE)
-
     def find_free(self, rounded: int, stream: int, pool: tuple[int, int]) -> Block | None:
         """The cached block best fit would take for ``rounded`` bytes, or None."""
-        if self.limit is not None and rounded > SMALL_SIZE and pool == DEFAULT_POOL:
+        small = rounded <= SMALL_SIZE
+        if self.limit is not None and not small and pool == DEFAULT_POOL:
             self._gc_clock += 1
-        keys = self._free.get(self.pool_key(rounded, pool))
+        keys = self._free.get((pool, small, stream))
         if not keys:
             return None
-        i = bisect.bisect_left(keys, (stream, rounded, 0))
-        if i == len(keys) or keys[i][0] != stream:
+        i = bisect_left(keys, rounded << _KEY_SHIFT)
+        if i == len(keys):
             return None
-        if self.settings.expandable_segments:
+        if self._expandable:
             # A block before unmapped pages counts as big as it could grow: holes come first.
-            while (i + 1 < len(keys) and keys[i + 1][0] == stream
+            while (i + 1 < len(keys)
                    and self._growable_size(keys[i + 1]) < self._growable_size(keys[i])):
                 i += 1
-        size = keys[i][1]
+        key = keys[i]
+        size = key >> _KEY_SHIFT
         if rounded < self.max_split <= size:
             return None  # no oversize block for a request that would split it
         if rounded >= self.max_split and size >= rounded + LARGE_BUFFER:
             return None  # an oversize request takes an oversize block only if it is close
-        return self._blocks[keys[i][2]]
+        return self._blocks[key & _ADDR_MASK]
 
-    def _growable_size(self, key: tuple[int, int, int]) -> int:
-        block = self._blocks[key[2]]
-        return key[1] + (_UNMAPPED_SPACE if block.seg.expandable and block.next is None else 0)
-
-    def should_split(self, block: Block, rounded: int) -> bool:
-        remaining = block.size - rounded
-        if block.seg.small or self.settings.expandable_segments:
-            return remaining >= MIN_BLOCK
-        return rounded < self.max_split and remaining > SMALL_SIZE
+    def _growable_size(self, key: int) -> int:
+        block = self._blocks[key & _ADDR_MASK]
+        return (key >> _KEY_SHIFT) + (_UNMAPPED_SPACE if block.seg.expandable
+                                      and block.next is None else 0)
 
     def malloc(self, requested: int, stream: int = 0, pool: tuple[int, int] = DEFAULT_POOL,
                at: int | None = None) -> Block:
@@ -263,7 +261,7 @@ class CachingAllocator:
     def _grow_for(self, rounded: int, stream: int, pool: tuple[int, int], requested: int
                   ) -> Block:
         """Obtain device memory for ``rounded`` bytes, releasing cache under a limit first."""
-        expandable = self.settings.expandable_segments
+        expandable = self._expandable
         need = self.grow_plan(rounded, stream, pool)[1] if expandable else \
             self.segment_size(rounded)
         if self.limit is not None and self.reserved + need > self.limit:
@@ -292,8 +290,10 @@ class CachingAllocator:
         if self.reserved <= threshold:
             return
         target = self.reserved - threshold
-        keys = self._free.get((DEFAULT_POOL, False), [])
-        candidates = [self._blocks[k[2]] for k in keys]
+        # in the order of (stream, size, address)
+        candidates = [self._blocks[k & _ADDR_MASK]
+                      for (pool, small, _), keys in sorted(self._free.items())
+                      if pool == DEFAULT_POOL and not small for k in keys]
         candidates = [b for b in candidates if b.prev is None and b.next is None
                       and not b.seg.expandable]
         ages = {b.addr: self._gc_clock - b.gc_base for b in candidates}
@@ -314,18 +314,19 @@ class CachingAllocator:
         that is big enough, else the largest down (``release_available_cached_blocks``)."""
         if self.settings.max_split_size is None:
             return
-        keys = self._free.get(self.pool_key(rounded, pool), [])
+        keys = self._free.get((pool, rounded <= SMALL_SIZE, stream), [])
         want = max(rounded, self.max_split)
-        i = bisect.bisect_left(keys, (stream, want, 0))
-        if i < len(keys) and keys[i][0] == stream:
-            self._release_whole(self._blocks[keys[i][2]])
+        i = bisect_left(keys, want << _KEY_SHIFT)
+        if i < len(keys):
+            self._release_whole(self._blocks[keys[i] & _ADDR_MASK])
             return
         released = 0
         for key in reversed(keys[:i]):
-            if released >= want or key[1] < self.max_split or key[0] != stream:
+            size = key >> _KEY_SHIFT
+            if released >= want or size < self.max_split:
                 break
-            released += key[1]
-            self._release_whole(self._blocks[key[2]])
+            released += size
+            self._release_whole(self._blocks[key & _ADDR_MASK])
 
     def _release_whole(self, block: Block) -> None:
         """Give a free block's segment back, if the block is all of it (oversize blocks are)."""
@@ -335,7 +336,9 @@ class CachingAllocator:
     def allocate_from(self, block: Block, requested: int, rounded: int) -> Block:
         """Allocate ``requested`` (rounded to ``rounded``) bytes from the free ``block``."""
         self._remove_free(block)
-        if self.should_split(block, rounded):
+        remaining = block.size - rounded
+        if (remaining >= MIN_BLOCK if block.seg.small or self._expandable
+                else rounded < self.max_split and remaining > SMALL_SIZE):  # should_split
             self._split(block, rounded)
         return self._hand_out(block, requested)
 
@@ -354,17 +357,20 @@ class CachingAllocator:
         """Return a block to its pool, merging it with free neighbours (free_completed)."""
         if block.allocated:
             self.release_stats(block)
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.cached and neighbour.mapped == block.mapped:
-                self._merge(block, neighbour)
+        before, after = block.prev, block.next
+        if before is not None and before.cached and before.mapped == block.mapped:
+            self._merge(block, before)
+        if after is not None and after.cached and after.mapped == block.mapped:
+            self._merge(block, after)
         block.cached = True
         self._insert_free(block)
 
     def release_stats(self, block: Block) -> None:
         """Stop counting ``block`` as allocated (free_requested); it is reused only once freed."""
+        size = block.size
         block.allocated = False
-        self.allocated -= block.size
-        block.seg.group[2] -= block.size
+        self.allocated -= size
+        block.seg.group[2] -= size
         self.requested -= block.requested
 
     # -- expandable segments --------------------------------------------------------------
@@ -529,34 +535,37 @@ class CachingAllocator:
         return rest
 
     def _hand_out(self, block: Block, requested: int) -> Block:
+        size = block.size
         block.cached = False
         block.allocated = True
         block.requested = requested
-        self.allocated += block.size
-        block.seg.group[2] += block.size
+        self.allocated += size
+        block.seg.group[2] += size
         self.requested += requested
         return block
 
     def _index(self, block: Block) -> None:
         self._blocks[block.addr] = block
-        bisect.insort(self._starts, block.addr)
+        insort(self._starts, block.addr)
 
     def _unindex(self, addr: int) -> None:
         del self._blocks[addr]
-        del self._starts[bisect.bisect_left(self._starts, addr)]
+        del self._starts[bisect_left(self._starts, addr)]
 
     def _insert_free(self, block: Block) -> None:
-        bisect.insort(block.seg.free_keys, (block.seg.stream, block.size, block.addr))
+        size = block.size
+        insort(block.seg.free_keys, size << _KEY_SHIFT | block.addr)
         block.gc_base = self._gc_clock
-        self.cached_bytes += block.size
+        self.cached_bytes += size
 
     def _remove_free(self, block: Block) -> None:
+        size = block.size
         keys = block.seg.free_keys
-        key = (block.seg.stream, block.size, block.addr)
-        i = bisect.bisect_left(keys, key)
+        key = size << _KEY_SHIFT | block.addr
+        i = bisect_left(keys, key)
         if i < len(keys) and keys[i] == key:
             del keys[i]
-            self.cached_bytes -= block.size
+            self.cached_bytes -= size
 
     def _synthetic_address(self, size: int) -> int:
         """An address for a segment the simulator creates, apart from every other one."""

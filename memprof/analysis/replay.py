@@ -117,6 +117,74 @@ _SEGMENT_MAP, _SEGMENT_UNMAP, _OOM = int(Action.SEGMENT_MAP), int(Action.SEGMENT
 _CHUNK = 1 << 16  # events converted to Python ints at a time, to bound memory
 
 
+class _Decisions:
+    """Allocations off the common path: the simulator's choice differs from the recorded one,
+    or segment growth came before it. Keeps the check's tallies and applies the recorded
+    choice, so one divergence never cascades."""
+
+    def __init__(self, alloc: CachingAllocator, pools: dict[int, tuple[int, int]],
+                 delta_pred: array) -> None:
+        self.alloc = alloc
+        self.pools = pools
+        self.delta_pred = delta_pred
+        self.check = Check()
+        self.pending: list[tuple[int, int, int, int]] = []  # growth, applied after predicting
+
+    def flush(self) -> None:
+        """Apply segment growth that no allocation followed."""
+        _apply_growth(self.alloc, self.pending, self.pools)
+        self.pending = []
+
+    def add_reproduced(self, count: int) -> None:
+        """Count ``count`` allocations of the common path: the recorded block, predicted."""
+        c = self.check
+        c.decisions_total += count
+        c.decisions_matched += count
+        c.addresses_total += count
+        c.addresses_matched += count
+
+    def allocate(self, i: int, addr: int, size: int, stream: int, rounded: int,
+                 pool: tuple[int, int], predicted: Block | None) -> tuple[Block | None, int]:
+        """Tally the decision at event ``i`` and apply the recorded one: (block, its size)."""
+        alloc, c, pending = self.alloc, self.check, self.pending
+        if predicted is not None:
+            guess_addr, guess_growth = predicted.addr, 0
+        elif alloc.settings.expandable_segments:
+            guess_addr, guess_growth = alloc.grow_plan(rounded, stream, pool)
+        else:
+            guess_addr, guess_growth = -1, alloc.segment_size(rounded)
+        grown = 0
+        if pending:
+            if guess_addr < 0:
+                guess_addr = pending[0][1]  # a new segment's address is the device's
+            grown = sum(p[2] for p in pending)
+            self.flush()
+        c.decisions_total += 1
+        c.addresses_total += 1
+        if guess_growth == grown:
+            c.decisions_matched += 1
+        elif c.first_mismatch is None:
+            c.first_mismatch = i
+        if predicted is None:
+            c.segments_predicted += 1
+        if grown:
+            c.segments_recorded += 1
+        if guess_addr == addr:
+            c.addresses_matched += 1
+        elif c.first_address_mismatch is None:
+            c.first_address_mismatch = i
+        self.delta_pred[i] = guess_growth
+        try:
+            block = alloc.allocate_from(predicted, size, rounded) \
+                if predicted is not None and guess_addr == addr and not grown \
+                else alloc.malloc(size, stream, at=addr)
+        except KeyError:
+            c.inconsistencies += 1
+            alloc.allocated += rounded
+            return None, rounded
+        return block, block.size
+
+
 def replay(trace: DeviceTrace | None, segments: list[Segment],
            settings: AllocatorSettings | None = None) -> Replay:
     """Replay ``trace`` (which ends in the state ``segments``) and check it against them."""
@@ -125,7 +193,8 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     alloc = CachingAllocator(settings)
     initial = _rebuild_start(alloc, segments, trace)
     initial_allocated, initial_reserved = alloc.allocated, alloc.reserved
-    pools = {s.address: s.pool_id for s in segments}
+    # private pools only: most snapshots have none, and then allocations look nothing up
+    pools = {s.address: s.pool_id for s in segments if s.pool_id != DEFAULT_POOL}
 
     zeros = bytes(8 * n)
     block_size, delta_alloc = array("q", zeros), array("q", zeros)
@@ -134,15 +203,13 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     live: dict[int, tuple[Block | None, int]] = {b.addr: (alloc.block_at(b.addr), -1)
                                                  for b in initial}
     initial_by_addr = {b.addr: b for b in initial}
-    decisions = matched = segments_predicted = segments_recorded = addresses = inconsistent = 0
-    first_mismatch: int | None = None
-    first_address_mismatch: int | None = None
-    pending: list[tuple[int, int, int, int]] = []  # segment growth, applied after predicting
+    decisions = _Decisions(alloc, pools, delta_pred)
+    check, pending = decisions.check, decisions.pending
+    reproduced = 0  # allocations where the simulator chose the recorded block, no growth
     peak_value, peak = alloc.allocated, capture(alloc, -1)
     ooms: list[Moment] = []
-    expandable = settings.expandable_segments
-    round_size, find_free, malloc = alloc.round_size, alloc.find_free, alloc.malloc
-    allocate_from = alloc.allocate_from
+    round_size, find_free, allocate_from = alloc.round_size, alloc.find_free, alloc.allocate_from
+    release_stats, free = alloc.release_stats, alloc.free
 
     for base in range(0, n, _CHUNK):
         assert trace is not None
@@ -150,58 +217,31 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         columns = (trace.action[chunk].tolist(), trace.addr[chunk].tolist(),
                    trace.size[chunk].tolist(), trace.stream[chunk].tolist())
         for i, (action, addr, size, stream) in enumerate(zip(*columns, strict=True), base):
-            if pending and action != _ALLOC and action != _SEGMENT_ALLOC \
-                    and action != _SEGMENT_MAP:
-                _apply_growth(alloc, pending, pools)  # growth no allocation followed
-                pending = []
             if action == _ALLOC:
                 rounded = round_size(size)
                 pool = pools.get(addr, DEFAULT_POOL) if pools else DEFAULT_POOL
                 predicted = find_free(rounded, stream, pool)
-                if predicted is not None:
-                    guess_addr, guess_growth = predicted.addr, 0
-                elif expandable:
-                    guess_addr, guess_growth = alloc.grow_plan(rounded, stream, pool)
-                else:
-                    guess_addr, guess_growth = -1, alloc.segment_size(rounded)
-                grown = 0
-                if pending:
-                    if guess_addr < 0:
-                        guess_addr = pending[0][1]  # a new segment's address is the device's
-                    grown = sum(p[2] for p in pending)
-                    _apply_growth(alloc, pending, pools)
-                decisions += 1
-                if guess_growth == grown:
-                    matched += 1
-                elif first_mismatch is None:
-                    first_mismatch = i
-                if predicted is None:
-                    segments_predicted += 1
-                if grown:
-                    segments_recorded += 1
-                if guess_addr == addr:
-                    addresses += 1
-                elif first_address_mismatch is None:
-                    first_address_mismatch = i
-                delta_pred[i] = guess_growth
-                pending = []
-                try:
-                    block: Block | None = allocate_from(predicted, size, rounded) \
-                        if predicted is not None and guess_addr == addr and not grown \
-                        else malloc(size, stream, at=addr)
+                if predicted is not None and predicted.addr == addr and not pending:
+                    reproduced += 1
+                    block: Block | None = allocate_from(predicted, size, rounded)
                     taken = block.size
-                except KeyError:
-                    inconsistent += 1
-                    block, taken = None, rounded
-                    alloc.allocated += taken
+                else:
+                    block, taken = decisions.allocate(i, addr, size, stream, rounded, pool,
+                                                      predicted)
+                    pending = decisions.pending
                 block_size[i] = delta_alloc[i] = taken
                 live[addr] = (block, i)
                 if alloc.allocated > peak_value:
                     peak_value, peak = alloc.allocated, capture(alloc, i)
-            elif action in (_FREE_REQUESTED, _FREE_COMPLETED):
-                entry = live.get(addr)
+                continue
+            if pending and action != _SEGMENT_ALLOC and action != _SEGMENT_MAP:
+                decisions.flush()  # growth no allocation followed
+                pending = decisions.pending
+            if action in (_FREE_REQUESTED, _FREE_COMPLETED):
+                completed = action == _FREE_COMPLETED
+                entry = live.pop(addr, None) if completed else live.get(addr)
                 if entry is None:
-                    inconsistent += 1
+                    check.inconsistencies += 1
                     continue
                 block, start = entry
                 if block is None or block.allocated:
@@ -210,15 +250,13 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                     if block is None:
                         alloc.allocated -= taken
                     else:
-                        alloc.release_stats(block)
+                        release_stats(block)
                     if start >= 0:
                         end[start] = i
                     else:
                         initial_by_addr[addr].end = i
-                if action == _FREE_COMPLETED:
-                    del live[addr]
-                    if block is not None:
-                        alloc.free(block)
+                if completed and block is not None:
+                    free(block)
             elif action in (_SEGMENT_ALLOC, _SEGMENT_MAP):
                 delta_res[i] = size
                 pending.append((action, addr, size, stream))
@@ -230,9 +268,10 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                         alloc.unmap_pages(addr, size)
                     delta_res[i] = delta_pred[i] = -size
                 except (KeyError, AssertionError):
-                    inconsistent += 1
+                    check.inconsistencies += 1
             elif action == _OOM:
                 ooms.append(capture(alloc, i))
+    decisions.add_reproduced(reproduced)
 
     def cumulative(start: int, deltas: array) -> np.ndarray:
         return start + np.cumsum(np.frombuffer(deltas, np.int64))
@@ -249,11 +288,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         initial_reserved=initial_reserved,
         peak=peak,
         ooms=ooms,
-        check=Check(decisions_total=decisions, decisions_matched=matched,
-                    segments_predicted=segments_predicted, segments_recorded=segments_recorded,
-                    addresses_total=decisions, addresses_matched=addresses,
-                    inconsistencies=inconsistent, first_mismatch=first_mismatch,
-                    first_address_mismatch=first_address_mismatch),
+        check=check,
         final=capture(alloc, n - 1),
     )
 
