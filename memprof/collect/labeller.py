@@ -12,12 +12,13 @@ no operator goes through Python, so ``torch.compile`` and the kernels are unchan
 
 from __future__ import annotations
 
+import functools
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from memprof.collect.hook_labels import Event, Sighting, event_times, label_trace, step_ends
 from memprof.collect.roles import RoleHooks
@@ -39,9 +40,10 @@ class HookLabeller(RoleHooks):
         super().__init__()
         self.sightings: list[Sighting] = []
         self._clock = clock
-        # tensor -> (data pointer, category) last noted: a parameter seen at every forward
-        # is noted once while its storage stays (activations are new tensors every time)
-        self._noted = WeakIdKeyDictionary()
+        # id(tensor) -> (weak reference, (data pointer, category) last noted): a parameter
+        # seen at every forward is noted once while its storage stays (activations are new
+        # tensors every time)
+        self._noted: dict[int, tuple[weakref.ref, tuple[object, str]]] = {}
 
     def __enter__(self) -> HookLabeller:
         self.install()
@@ -71,14 +73,34 @@ class HookLabeller(RoleHooks):
         return self._clock()
 
     def _mark(self, t: torch.Tensor, category: str) -> None:
-        storages = storages_behind(t)
-        if category != ACTIVATIONS:
-            key = (tuple(st.data_ptr() for st in storages), category)
-            if self._noted.get(t) == key:
-                return
-            self._noted[t] = key
+        if category != ACTIVATIONS and self._noted_before(t, category):
+            return
         at = self._clock()
-        for st in storages:
+        for st in storages_behind(t):
             nbytes = st.nbytes()
             if nbytes:
                 self.sightings.append(Sighting(at, st.data_ptr(), nbytes, category))
+
+    def _noted_before(self, t: torch.Tensor, category: str) -> bool:
+        """Whether ``t`` was noted in ``category`` at its present address (and note it)."""
+        try:
+            where: object = t.data_ptr()
+        except RuntimeError:  # a wrapper subclass: no storage of its own
+            where = tuple(st.data_ptr() for st in storages_behind(t))
+        # a dict by id with a weak reference to check: torch's WeakIdKeyDictionary costs
+        # a tenth of a training step of small operators here
+        key = id(t)
+        noted = self._noted.get(key)
+        if noted is not None and noted[0]() is t:
+            if noted[1] == (where, category):
+                return True
+            self._noted[key] = (noted[0], (where, category))
+            return False
+        self._noted[key] = (weakref.ref(t, functools.partial(self._forget, key)),
+                            (where, category))
+        return False
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        noted = self._noted.get(key)
+        if noted is not None and noted[0] is ref:
+            del self._noted[key]
