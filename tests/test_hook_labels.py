@@ -152,3 +152,22 @@ def test_hooks_only_labels_equal_the_exact_recorder(name: str, monkeypatch) -> N
     if name != "ddp_gloo":  # DDP's gloo threads free buffers at times that vary by run
         assert [e["action"] for e in trace] == [e["action"] for e in exact_trace]
         assert peak == at_peak(exact_trace, exact)
+
+
+def test_a_compiled_model_compiles_whole_under_the_labeller() -> None:
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(UserWarning, match="global hooks"), HookLabeller() as labeller:
+        for _ in range(2):
+            compiled(torch.randn(5, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    seen = Counter(s.category for s in labeller.sightings)
+    # 4 parameters (seen by the optimizer), their gradients each step, Adam's 3 tensors each
+    assert seen == {"parameters": 4, "gradients": 8, "optimizer_state": 12,
+                    "activations": seen["activations"]}
+    assert seen["activations"] > 0

@@ -121,6 +121,8 @@ class RoleHooks:
                 self._mark(t, OPTIMIZER_STATE)
 
     def _on_forward(self, module: torch.nn.Module, args: object) -> None:
+        if torch.compiler.is_compiling():  # traced into a compiled graph: leave it as it is
+            return
         self._modules.add(module)
         self._forward.before(module)
         if self._autocast is None and torch.is_autocast_enabled("cuda"):
