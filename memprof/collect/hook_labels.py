@@ -69,8 +69,8 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
     blocks = _blocks(trace, times)
     best: dict[int, str] = {}
     for seen in sightings:
-        at = blocks.get(seen.addr)
-        index = _live_alloc(at, seen) if at is not None else None
+        here = blocks.get(seen.addr)
+        index = _live_alloc(here, seen) if here is not None else None
         if index is not None:
             current = best.get(index)
             if current is None or _RANK[seen.category] < _RANK[current]:

@@ -20,12 +20,11 @@ from typing import Any
 
 import torch
 
+from memprof.collect.cpu_recorder import SNAPSHOT_VERSION
 from memprof.collect.hook_labels import Event, Sighting, event_times, label_trace, step_ends
 from memprof.collect.roles import RoleHooks
 from memprof.collect.storages import storages_behind
 from memprof.trace.model import ACTIVATIONS
-
-SNAPSHOT_VERSION = 1
 
 
 def epoch_us() -> int:
