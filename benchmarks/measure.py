@@ -17,6 +17,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 class Run:
     seconds: float
     peak_rss_mib: float
+    cpu_seconds: float = 0.0  # user + system time of the command: less sensitive to load
 
 
 def run(argv: list[str], cwd: Path | None = None, repeat: int = 1) -> Run:
@@ -26,7 +27,8 @@ def run(argv: list[str], cwd: Path | None = None, repeat: int = 1) -> Run:
     make a ratio worth quoting.
     """
     runs = [_run_once(argv, cwd) for _ in range(repeat)]
-    return Run(statistics.median(r.seconds for r in runs), max(r.peak_rss_mib for r in runs))
+    return Run(statistics.median(r.seconds for r in runs), max(r.peak_rss_mib for r in runs),
+               statistics.median(r.cpu_seconds for r in runs))
 
 
 def _run_once(argv: list[str], cwd: Path | None) -> Run:
@@ -35,15 +37,15 @@ def _run_once(argv: list[str], cwd: Path | None) -> Run:
         "t = time.perf_counter()\n"
         "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode\n"
         "dt = time.perf_counter() - t\n"
-        "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024\n"
-        "print(rc, dt, rss)\n"
+        "usage = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+        "print(rc, dt, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime)\n"
     )
     out = subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, check=True,
                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"})
-    rc, seconds, rss = out.stdout.split()
+    rc, seconds, rss, cpu = out.stdout.split()
     if rc != "0":
         raise RuntimeError(f"{argv} exited with {rc}")
-    return Run(float(seconds), float(rss))
+    return Run(float(seconds), float(rss), float(cpu))
 
 
 def write_table(name: str, header: list[str], rows: list[list[str]], notes: str) -> Path:

@@ -74,35 +74,3 @@ def device_facts() -> dict[str, Any]:
     except Exception as exc:  # NVML is optional: no driver access in containers, old drivers
         facts["nvml_error"] = str(exc)
     return facts
-
-
-def match_labels(trace: list[dict[str, Any]], recorded: list[dict[str, Any]],
-                 labels: list[list[Any]]) -> list[list[Any]]:
-    """Carry labels (categories, module paths) from memprof's storage events to the
-    allocator's alloc events; an alloc without a label stays without one.
-
-    Both see the same storages in the same order; a storage's CUDA address is its
-    data pointer, so the k-th alloc at an address in one is the k-th in the other.
-    """
-    by_event = dict((i, c) for i, c in labels)
-    queues: dict[int, list[Any]] = {}
-    for i, event in enumerate(recorded):
-        if event["action"] == "alloc":
-            queues.setdefault(event["addr"], []).append(by_event.get(i))
-    out = []
-    for i, event in enumerate(trace):
-        if event["action"] == "alloc" and queues.get(event["addr"]):
-            label = queues[event["addr"]].pop(0)
-            if label is not None:
-                out.append([i, label])
-    return out
-
-
-def match_steps(trace: list[dict[str, Any]], recorded: list[dict[str, Any]],
-                steps: list[int]) -> list[int]:
-    """Step ends (exclusive event indices) carried to the allocator's trace by timestamp."""
-    import bisect
-
-    times = [e.get("time_us", 0) for e in trace]
-    return [bisect.bisect_right(times, recorded[end - 1]["time_us"]) if end else 0
-            for end in steps]

@@ -93,6 +93,8 @@ class ForwardFacts:
             self.score_module = type(owner).__name__ if owner is not None else None
 
     def _after(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if torch.compiler.is_compiling():  # its pre-hook skipped the traced modules too
+            return
         # a forward hook registered by the script may raise, so the stack is searched
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i] is module:

@@ -1,101 +1,40 @@
-"""Exact category labels for recorded allocations, from global hooks on the real objects.
+"""Exact category labels for recorded allocations, from the role hooks (``roles.py``).
 
-While installed, the hooks see every module call (its parameters and buffers), every
-buffer registration, every gradient
-accumulation, every optimizer step (its gradients and state) and every tensor autograd
-saves for backward; the user's script is not touched. A storage seen in several roles
-keeps the first in `CATEGORIES` order (a parameter saved for backward stays a parameter).
-Unseen storages are `temporaries` if freed during the run, `other` if still alive.
-Activations are also tagged with what they were (`forward_facts.py`), for savings models.
+A storage seen in several roles keeps the first in `CATEGORIES` order (a parameter
+saved for backward stays a parameter). Unseen storages are `temporaries` if freed during
+the run, `other` if still alive. Activations are also tagged with what they were
+(`forward_facts.py`), for savings models.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
-from torch.nn.modules.module import (
-    register_module_buffer_registration_hook,
-    register_module_forward_pre_hook,
-)
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
-from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
-from memprof.collect.forward_facts import ForwardFacts
-from memprof.collect.model_facts import model_facts
-from memprof.collect.storages import Event, StorageTracker, tensors_in
+from memprof.collect.roles import RoleHooks
+from memprof.collect.storages import Event, StorageTracker
 from memprof.trace.model import (
     ACTIVATIONS,
-    BUFFERS,
     CATEGORIES,
     EVAL_ACTIVATIONS,
-    GRADIENTS,
-    OPTIMIZER_STATE,
     OTHER,
-    PARAMETERS,
     TEMPORARIES,
 )
 
 _RANK = {category: rank for rank, category in enumerate(CATEGORIES)}
 
 
-class LabelHooks:
+class LabelHooks(RoleHooks):
     """Global hooks that mark the alloc events of `tracker` with their category."""
 
     def __init__(self, tracker: StorageTracker) -> None:
-        self.model: dict[str, Any] = {}  # model_facts(), filled by remove()
-        self._autocast: str | None = None  # CUDA autocast dtype seen in a forward
+        super().__init__()
         self._tracker = tracker
         self._marks: dict[int, str] = {}  # id(alloc event) -> category
         self._tags: dict[int, str] = {}  # id(alloc event) -> a TAGS entry
-        tracker.per_event += [self._marks, self._tags]
+        tracker.per_event += [self._marks, self._tags]  # trimmed with the ring buffer
         self._eval_tagged = False
-        self._forward = ForwardFacts()
-        self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._grad_hooks = WeakIdKeyDictionary()  # parameter -> RemovableHandle
-        self._handles: list[RemovableHandle] = []
-        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def install(self) -> None:
-        """Register the global module, optimizer and saved-tensor hooks."""
-        self._handles = [
-            register_module_forward_pre_hook(self._on_forward),
-            register_module_buffer_registration_hook(self._on_buffer),
-            register_optimizer_step_pre_hook(self._on_step_pre),
-            register_optimizer_step_post_hook(self._on_step_post),
-        ]
-        self._forward.install()
-        self._saved.__enter__()
-
-    def remove(self) -> None:
-        """Mark what the seen modules and optimizers hold now, then remove every hook."""
-        try:
-            if len(self._modules):  # else the script's objects are gone: keep the last facts
-                self.model = model_facts(self._modules, self._optimizers, self._autocast)
-            if self.model:
-                self.model.update(self._forward.facts(self._tracker.fused_attention))
-            for module in list(self._modules):
-                for p in module.parameters(recurse=False):
-                    self._mark_param(p)
-                self._mark_buffers(module)
-            for optimizer in list(self._optimizers):
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        self._mark_param(p)
-                self._mark_state(optimizer)
-        finally:
-            self._saved.__exit__()
-            self._forward.remove()
-            for handle in [*self._handles, *self._grad_hooks.values()]:
-                handle.remove()
-            self._handles = []
-            self._grad_hooks.clear()
 
     def resolve(self, events: list[Event], survivors: list[Event]) -> list[list[Any]]:
         """Return `[event_index, category]` for every alloc event in `events`."""
@@ -122,66 +61,21 @@ class LabelHooks:
             if current is None or _RANK[category] < _RANK[current]:
                 self._marks[key] = category
 
-    def _mark_param(self, p: torch.Tensor) -> None:
-        self._mark(p, PARAMETERS)
-        if p.grad is not None:
-            self._mark(p.grad, GRADIENTS)
+    def _end_step(self) -> None:
+        # the tracker's own list: its ring buffer shifts step ends as it drops events
+        self._tracker.steps.append(len(self._tracker.events))
 
-    def _mark_buffers(self, module: torch.nn.Module) -> None:
-        for b in module.buffers(recurse=False):
-            self._mark(b, BUFFERS)
-
-    def _watch_param(self, p: torch.Tensor) -> None:
-        self._mark_param(p)
-        if p.requires_grad and p not in self._grad_hooks:
-            self._grad_hooks[p] = p.register_post_accumulate_grad_hook(self._on_grad)
-
-    def _mark_state(self, optimizer: torch.optim.Optimizer) -> None:
-        for state in optimizer.state.values():
-            for t in tensors_in(tuple(state.values())):
-                self._mark(t, OPTIMIZER_STATE)
-
-    def _on_forward(self, module: torch.nn.Module, args: object) -> None:
-        self._modules.add(module)
-        self._forward.before(module)
-        if self._autocast is None and torch.is_autocast_enabled("cuda"):
-            self._autocast = str(torch.get_autocast_dtype("cuda")).removeprefix("torch.")
-        for p in module.parameters(recurse=False):
-            self._watch_param(p)
-        self._mark_buffers(module)
-
-    def _on_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
-        if buffer is not None:
-            self._mark(buffer, BUFFERS)
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is not None:
-            self._mark(p.grad, GRADIENTS)
-
-    def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        self._optimizers.add(optimizer)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                self._watch_param(p)
-
-    def _on_step_post(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        self._mark_state(optimizer)
-        steps = self._tracker.steps
-        steps.append(len(self._tracker.events))
-        if len(steps) <= 2:  # the state exists after a step; the objects may not at exit
-            self.model = model_facts(self._modules, self._optimizers, self._autocast)
+    def _fused_attention(self) -> bool:
+        return self._tracker.fused_attention
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._mark(t, ACTIVATIONS)
         for event in self._tracker.alloc_events(t):
             key = id(event)
             tag = self._forward.tag(t, key in self._tracker.square_scores)
             if tag is not None:
                 self._tags.setdefault(key, tag)
                 self._eval_tagged |= tag == EVAL_ACTIVATIONS
-        # the tensor itself would make a reference cycle through its grad_fn that keeps
-        # a graph that is never backwarded alive; a detached view shares the storage
-        return t.detach()
+        return super()._pack(t)
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         if self._eval_tagged:  # a backward reads it: that eval forward was backpropagated

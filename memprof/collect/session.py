@@ -13,6 +13,7 @@ from memprof.collect import cuda
 from memprof.collect.apply import applied, requested
 from memprof.collect.cpu_recorder import CpuRecorder
 from memprof.collect.endings import stops
+from memprof.collect.labeller import HookLabeller
 from memprof.collect.launch import Outcome, Target, run
 from memprof.collect.profiler import StepWindowProfiler
 from memprof.collect.storages import StorageTracker
@@ -38,33 +39,32 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
            seconds: float | None = None) -> Recording:
     """Run ``target`` once under memprof's recorders (and torch.profiler, with ``profile_to``),
     stopping it after ``steps`` optimizer steps or ``seconds`` when given."""
-    # on a GPU the allocator's own history is the ring buffer; this recorder only labels it
-    recorder = CpuRecorder(None if use_cuda else StorageTracker(max_entries))
-    history = cuda.CudaHistory(max_entries) if use_cuda else None
-    if history is not None:
-        history.start()
+    if use_cuda:
+        return record_cuda(target, max_entries, profile_to, steps, seconds)
+    recorder = CpuRecorder(StorageTracker(max_entries))
     with recorder:
         outcome, seconds = run_profiled(target, profile_to, steps, seconds)
-    labelled = recorder.snapshot()
-    if history is not None:
-        snapshot = history.stop()
-        device = torch_device()
-        trace = snapshot["device_traces"][device]
-        snapshot["memprof"] = {
-            **labelled["memprof"], "complete": False, "recorder": "cuda", "device": device,
-            "labels": cuda.match_labels(trace, labelled["device_traces"][0],
-                                        labelled["memprof"]["labels"]),
-            "modules": cuda.match_labels(trace, labelled["device_traces"][0],
-                                         labelled["memprof"]["modules"]),
-            "tags": cuda.match_labels(trace, labelled["device_traces"][0],
-                                      labelled["memprof"]["tags"]),
-            "steps": cuda.match_steps(trace, labelled["device_traces"][0],
-                                      labelled["memprof"]["steps"])}
-        facts = cuda.device_facts()
-        return Recording(snapshot, outcome, f"cuda ({facts['name']})", False, seconds, facts,
-                         history.oom_snapshot)
-    return Recording(predict_cuda_layout(labelled, settings), outcome,
+    return Recording(predict_cuda_layout(recorder.snapshot(), settings), outcome,
                      "cpu (CUDA memory predicted)", True, seconds)
+
+
+def record_cuda(target: Target, max_entries: int, profile_to: Path | None, steps: int | None,
+                seconds: float | None) -> Recording:
+    """The GPU path: the caching allocator's history is the trace, labelled by role hooks
+    alone (no dispatch mode: the program runs as it would without memprof)."""
+    history = cuda.CudaHistory(max_entries)
+    labeller = HookLabeller()
+    history.start()
+    with labeller:
+        outcome, seconds = run_profiled(target, profile_to, steps, seconds)
+    device = torch_device()
+    snapshots = [s for s in (history.stop(), history.oom_snapshot) if s is not None]
+    for snapshot in snapshots:
+        snapshot["memprof"] = {**labeller.labels(snapshot["device_traces"][device]),
+                               "device": device}
+    facts = cuda.device_facts()
+    return Recording(snapshots[0], outcome, f"cuda ({facts['name']})", False, seconds, facts,
+                     history.oom_snapshot)
 
 
 def run_profiled(target: Target, profile_to: Path | None, steps: int | None,

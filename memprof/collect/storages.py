@@ -111,10 +111,10 @@ def tensors_in(obj: object) -> list[torch.Tensor]:
     return found
 
 
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+def storages_behind(t: torch.Tensor) -> list[torch.UntypedStorage]:
     if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
         inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
-        return [st for x in inner if isinstance(x, torch.Tensor) for st in _storages(x)]
+        return [st for x in inner if isinstance(x, torch.Tensor) for st in storages_behind(x)]
     try:
         return [t.untyped_storage()]
     except (RuntimeError, NotImplementedError):  # sparse, nested, ...: no single storage
@@ -182,7 +182,7 @@ class StorageTracker(TorchDispatchMode):
 
     def alloc_events(self, t: torch.Tensor) -> Iterator[Event]:
         """Yield the alloc events of the live tracked storages behind `t`."""
-        for st in _storages(t):
+        for st in storages_behind(t):
             ref = self._live.get(st._cdata)
             if ref is not None:
                 yield ref.event
@@ -191,7 +191,7 @@ class StorageTracker(TorchDispatchMode):
         frame = None
         inputs = None
         for t in tensors_in(out):
-            for st in _storages(t):
+            for st in storages_behind(t):
                 key = st._cdata
                 ref = self._live.get(key)
                 if ref is not None:
@@ -253,7 +253,7 @@ class StorageTracker(TorchDispatchMode):
         tensors = tensors_in(args)
         if kwargs:
             tensors += tensors_in(tuple(kwargs.values()))
-        return {st._cdata for t in tensors for st in _storages(t)}
+        return {st._cdata for t in tensors for st in storages_behind(t)}
 
     def _op_frame(self) -> FrameType | None:
         # 0: _op_frame, 1: _record, 2: __torch_dispatch__, then torch's wrappers, if any.
@@ -281,7 +281,8 @@ class StorageTracker(TorchDispatchMode):
 
     def _on_free(self, ref: _StorageRef) -> None:
         if not self._forked and self._live.get(ref.key) is ref:
-            self._free(ref, sys._getframe(1))
+            # f_back: None when a C++ thread (gloo's) drops the last reference
+            self._free(ref, sys._getframe().f_back)
 
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
         del self._live[ref.key]

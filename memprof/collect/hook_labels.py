@@ -1,0 +1,114 @@
+"""Label an allocator trace from what the role hooks saw: storage addresses at moments.
+
+On a GPU there is no dispatch mode: the allocator's own history is the trace, and the
+role hooks (``labeller.py``) only note *sightings*: at a moment (a clock reading or a
+sequence position), the storage at ``addr`` of ``nbytes`` had a role. An address is
+reused, so a sighting belongs to the alloc at that address that is live at that moment:
+the last one made at or before it (with a block of at least ``nbytes``), or, when that
+one was already freed (clocks that disagree by a microsecond), the next one.
+
+    labels = label_trace(trace, sightings)  # [[alloc_event_index, category], ...]
+    steps = step_ends(trace, labeller.steps)
+
+Pure: no torch, no GPU; the CPU recorder's traces test it against the exact labels.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from memprof.trace.model import CATEGORIES, OTHER, TEMPORARIES
+
+Event = dict[str, Any]
+_RANK = {category: rank for rank, category in enumerate(CATEGORIES)}
+_FREES = ("free_requested", "free_completed")
+_NEVER = float("inf")  # the end of a block the trace never frees
+
+
+class Sighting(NamedTuple):
+    """A storage seen in a role: when, where, how large, which category (a named tuple:
+    made in every saved-tensor hook, where a frozen dataclass costs twice as much)."""
+
+    at: int
+    addr: int
+    nbytes: int
+    category: str
+
+
+@dataclass
+class _Blocks:
+    """The allocs made at one address, in trace order."""
+
+    times: list[int] = field(default_factory=list)
+    events: list[int] = field(default_factory=list)  # alloc event indices
+    sizes: list[int] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)  # free time; inf while never freed
+
+
+def event_times(trace: Sequence[Event]) -> list[int]:
+    """The allocator's clock: each event's ``time_us``."""
+    return [e.get("time_us", 0) for e in trace]
+
+
+def sequence_times(trace: Sequence[Event]) -> list[int]:
+    """A sequence clock: event i happens at i + 1, so a position n (the number of events
+    recorded so far) comes after events 0..n-1."""
+    return list(range(1, len(trace) + 1))
+
+
+def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
+                times: Sequence[int] | None = None) -> list[list[Any]]:
+    """``[event_index, category]`` for every alloc event of ``trace``: the first in
+    ``CATEGORIES`` order among its sightings; unseen, ``temporaries`` if the trace frees
+    it and ``other`` if not. ``times``: the clock the sightings used (``event_times``
+    by default)."""
+    times = event_times(trace) if times is None else times
+    blocks = _blocks(trace, times)
+    best: dict[int, str] = {}
+    for seen in sightings:
+        here = blocks.get(seen.addr)
+        index = _live_alloc(here, seen) if here is not None else None
+        if index is not None:
+            current = best.get(index)
+            if current is None or _RANK[seen.category] < _RANK[current]:
+                best[index] = seen.category
+    freed = {i for b in blocks.values() for i, end in zip(b.events, b.ends, strict=True)
+             if end != _NEVER}
+    return [[i, best.get(i, TEMPORARIES if i in freed else OTHER)]
+            for i, e in enumerate(trace) if e["action"] == "alloc"]
+
+
+def step_ends(times: Sequence[int], ends: Sequence[int]) -> list[int]:
+    """Step ends as exclusive event indices: the events at or before each end's moment."""
+    return [bisect_right(times, at) for at in ends]
+
+
+def _blocks(trace: Sequence[Event], times: Sequence[int]) -> dict[int, _Blocks]:
+    by_addr: dict[int, _Blocks] = {}
+    for i, e in enumerate(trace):
+        action = e["action"]
+        if action == "alloc":
+            b = by_addr.setdefault(e["addr"], _Blocks())
+            b.times.append(times[i])
+            b.events.append(i)
+            b.sizes.append(e["size"])
+            b.ends.append(_NEVER)
+        elif action in _FREES:  # the first of the two ends the block's life
+            b = by_addr.get(e["addr"])
+            if b is not None and b.ends and b.ends[-1] == _NEVER:
+                b.ends[-1] = times[i]
+    return by_addr
+
+
+def _live_alloc(blocks: _Blocks, seen: Sighting) -> int | None:
+    """The alloc event at ``seen.addr`` live at ``seen.at`` that can hold ``seen.nbytes``."""
+    k = bisect_right(blocks.times, seen.at) - 1
+    if k >= 0 and blocks.ends[k] < seen.at:
+        k += 1  # freed before the sighting: the clocks disagree, the next one is live
+    k = max(k, 0)
+    if k < len(blocks.events) and blocks.sizes[k] >= seen.nbytes:
+        return blocks.events[k]
+    return None

@@ -1,0 +1,167 @@
+"""Global hooks that see the script's real tensors in their roles, without a dispatch mode.
+
+While installed, the hooks see every module call (its parameters and buffers), every
+buffer registration, every gradient accumulation, every optimizer step (its gradients
+and state) and every tensor autograd saves for backward; the user's script is not
+touched. What a role is told goes to ``_mark``: the CPU recorder marks its storage
+events (``labels.py``), the CUDA path notes the storage address (``labeller.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_forward_pre_hook,
+)
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memprof.collect.forward_facts import ForwardFacts
+from memprof.collect.model_facts import model_facts
+from memprof.collect.storages import tensors_in
+from memprof.trace.model import (
+    ACTIVATIONS,
+    BUFFERS,
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    PARAMETERS,
+)
+
+
+class RoleHooks:
+    """Global module, optimizer and saved-tensor hooks that report each tensor's role.
+
+    Subclasses say what a role means (``_mark``) and where in the run a step ends
+    (``_position``).
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []  # the position (``_position``) at each step's end
+        self._steps_seen = 0
+        self.model: dict[str, Any] = {}  # model_facts(), filled by remove()
+        self._autocast: str | None = None  # CUDA autocast dtype seen in a forward
+        self._forward = ForwardFacts()
+        self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._grad_hooks = WeakIdKeyDictionary()  # parameter -> RemovableHandle
+        self._handles: list[RemovableHandle] = []
+        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def install(self) -> None:
+        """Register the global module, optimizer and saved-tensor hooks."""
+        self._handles = [
+            register_module_forward_pre_hook(self._on_forward),
+            register_module_buffer_registration_hook(self._on_buffer),
+            register_optimizer_step_pre_hook(self._on_step_pre),
+            register_optimizer_step_post_hook(self._on_step_post),
+        ]
+        self._forward.install()
+        self._saved.__enter__()
+
+    def remove(self) -> None:
+        """Mark what the seen modules and optimizers hold now, then remove every hook."""
+        try:
+            if len(self._modules):  # else the script's objects are gone: keep the last facts
+                self.model = model_facts(self._modules, self._optimizers, self._autocast)
+            if self.model:
+                self.model.update(self._forward.facts(self._fused_attention()))
+            for module in list(self._modules):
+                for p in module.parameters(recurse=False):
+                    self._mark_param(p)
+                self._mark_buffers(module)
+            for optimizer in list(self._optimizers):
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        self._mark_param(p)
+                self._mark_state(optimizer)
+        finally:
+            self._saved.__exit__()
+            self._forward.remove()
+            for handle in [*self._handles, *self._grad_hooks.values()]:
+                handle.remove()
+            self._handles = []
+            self._grad_hooks.clear()
+
+    def _mark(self, t: torch.Tensor, category: str) -> None:
+        """``t`` is seen in the role ``category`` now."""
+        raise NotImplementedError
+
+    def _position(self) -> int:
+        """Where the run is now, as ``steps`` records it."""
+        raise NotImplementedError
+
+    def _end_step(self) -> None:
+        """An optimizer step has just ended."""
+        self.steps.append(self._position())
+
+    def _fused_attention(self) -> bool:
+        """Whether a ``scaled_dot_product_attention`` kernel ran (unknown here: False)."""
+        return False
+
+    def _mark_param(self, p: torch.Tensor) -> None:
+        self._mark(p, PARAMETERS)
+        if p.grad is not None:
+            self._mark(p.grad, GRADIENTS)
+
+    def _mark_buffers(self, module: torch.nn.Module) -> None:
+        for b in module.buffers(recurse=False):
+            self._mark(b, BUFFERS)
+
+    def _watch_param(self, p: torch.Tensor) -> None:
+        self._mark_param(p)
+        if p.requires_grad and p not in self._grad_hooks:
+            self._grad_hooks[p] = p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _mark_state(self, optimizer: torch.optim.Optimizer) -> None:
+        for state in optimizer.state.values():
+            for t in tensors_in(tuple(state.values())):
+                self._mark(t, OPTIMIZER_STATE)
+
+    def _on_forward(self, module: torch.nn.Module, args: object) -> None:
+        if torch.compiler.is_compiling():  # traced into a compiled graph: leave it as it is
+            return
+        self._modules.add(module)
+        self._forward.before(module)
+        if self._autocast is None and torch.is_autocast_enabled("cuda"):
+            self._autocast = str(torch.get_autocast_dtype("cuda")).removeprefix("torch.")
+        for p in module.parameters(recurse=False):
+            self._watch_param(p)
+        self._mark_buffers(module)
+
+    def _on_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
+        if buffer is not None:
+            self._mark(buffer, BUFFERS)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._mark(p.grad, GRADIENTS)
+
+    def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self._optimizers.add(optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self._watch_param(p)
+
+    def _on_step_post(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self._mark_state(optimizer)
+        self._end_step()
+        self._steps_seen += 1
+        if self._steps_seen <= 2:  # the state exists after a step; the objects may not at exit
+            self.model = model_facts(self._modules, self._optimizers, self._autocast)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._mark(t, ACTIVATIONS)
+        # the tensor itself would make a reference cycle through its grad_fn that keeps
+        # a graph that is never backwarded alive; a detached view shares the storage
+        return t.detach()
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        return t

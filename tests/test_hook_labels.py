@@ -1,0 +1,173 @@
+"""The CUDA path's labeller: role hooks that note storage addresses, matched to a trace.
+
+On a GPU the allocator's history is the trace; here the CPU recorder's storage tracker
+makes one with real data pointers. Each sample runs twice, once under the exact CPU
+recorder (a dispatch mode that sees every storage) and once under the tracker for the
+trace and the hooks-only labeller for the categories; every alloc must get the same
+category in both.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_run_cli import LEAK, MLP, flags, load_sample
+
+from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.hook_labels import Sighting, label_trace, sequence_times, step_ends
+from memprof.collect.labeller import HookLabeller
+from memprof.collect.storages import StorageTracker
+
+
+def _alloc(addr: int, size: int, t: int) -> dict[str, Any]:
+    return {"action": "alloc", "addr": addr, "size": size, "time_us": t}
+
+
+def _free(addr: int, size: int, t: int) -> list[dict[str, Any]]:
+    return [{"action": a, "addr": addr, "size": size, "time_us": t}
+            for a in ("free_requested", "free_completed")]
+
+
+# --- the matching, on hand-made traces ------------------------------------------------
+
+def test_a_reused_address_labels_the_alloc_live_when_seen() -> None:
+    trace = [_alloc(0x1000, 512, 10), *_free(0x1000, 512, 20), _alloc(0x1000, 512, 30)]
+    sightings = [Sighting(35, 0x1000, 400, "activations")]
+    assert label_trace(trace, sightings) == [[0, "temporaries"], [3, "activations"]]
+    assert label_trace(trace, [Sighting(15, 0x1000, 400, "gradients")]) == [
+        [0, "gradients"], [3, "other"]]
+
+
+def test_the_latest_alloc_wins_a_tie_and_a_freed_one_yields_to_the_next() -> None:
+    # freed and reallocated within one microsecond, seen in it: the new block
+    trace = [_alloc(0x1000, 512, 10), *_free(0x1000, 512, 30), _alloc(0x1000, 512, 30)]
+    assert label_trace(trace, [Sighting(30, 0x1000, 512, "activations")])[1] == [
+        3, "activations"]
+    # the hook's clock reads 29 for a block the allocator stamped 30: the live one is next
+    trace = [_alloc(0x1000, 512, 10), *_free(0x1000, 512, 20), _alloc(0x1000, 512, 30)]
+    assert label_trace(trace, [Sighting(29, 0x1000, 512, "parameters")])[1] == [
+        3, "parameters"]
+
+
+def test_a_block_too_small_for_the_storage_is_not_its_block() -> None:
+    trace = [_alloc(0x1000, 512, 10)]
+    assert label_trace(trace, [Sighting(11, 0x1000, 513, "parameters")]) == [[0, "other"]]
+
+
+def test_the_first_category_in_order_wins_and_other_addresses_are_ignored() -> None:
+    trace = [_alloc(0x1000, 1024, 10), _alloc(0x2000, 512, 11), *_free(0x2000, 512, 12)]
+    sightings = [Sighting(11, 0x1000, 1024, "activations"),
+                 Sighting(12, 0x1000, 1024, "parameters"),
+                 Sighting(12, 0x9000, 512, "gradients")]
+    assert label_trace(trace, sightings) == [[0, "parameters"], [1, "temporaries"]]
+
+
+def test_a_sequence_clock_and_step_ends() -> None:
+    trace = [_alloc(0x1000, 8, 0), *_free(0x1000, 8, 0), _alloc(0x1000, 8, 0)]
+    times = sequence_times(trace)  # position n: after n events
+    assert label_trace(trace, [Sighting(1, 0x1000, 8, "gradients"),
+                               Sighting(4, 0x1000, 8, "optimizer_state")], times) == [
+        [0, "gradients"], [3, "optimizer_state"]]
+    assert step_ends(times, [3, 4]) == [3, 4]
+    assert step_ends([5, 7, 7, 9], [7, 8, 100]) == [3, 3, 4]
+
+
+# --- the samples: hooks only vs the exact CPU recorder ----------------------------------
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+SAMPLES: dict[str, list[str]] = {
+    "mlp_adam": flags(MLP),
+    "leak": flags({**LEAK, "steps": 4}),
+    "cnn": ["--steps", "3"],
+    "transformer_lm": ["--steps", "3"],
+    "named_blocks": [],
+    "ddp_gloo": ["--steps", "3"],
+}
+
+
+def _exact(main: Callable[[list[str]], object], argv: list[str]) -> tuple[list, list, list]:
+    with CpuRecorder() as recorder:
+        main(argv)
+    snapshot = recorder.snapshot()
+    meta = snapshot["memprof"]
+    return snapshot["device_traces"][0], meta["labels"], meta["steps"]
+
+
+def _hooks_only(main: Callable[[list[str]], object], argv: list[str]) -> tuple[list, list, list]:
+    tracker = StorageTracker()  # only for the trace: the labeller never asks it anything
+    with HookLabeller(clock=lambda: len(tracker.events)) as labeller, tracker:
+        main(argv)
+    meta = labeller.labels(tracker.events, sequence_times(tracker.events))
+    return tracker.events, meta["labels"], meta["steps"]
+
+
+def at_peak(trace: list[dict[str, Any]], labels: list[list[Any]]) -> Counter[str]:
+    """Live bytes per category when the most bytes were live."""
+    category = dict(labels)
+    live: dict[int, tuple[str, int]] = {}
+    now: Counter[str] = Counter()
+    best: Counter[str] = Counter()
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = (category[i], e["size"])
+            now[category[i]] += e["size"]
+        elif e["action"] == "free_completed":
+            name, size = live.pop(e["addr"])
+            now[name] -= size
+        if now.total() > best.total():
+            best = now.copy()
+    return +best
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_hooks_only_labels_equal_the_exact_recorder(name: str, monkeypatch) -> None:
+    if name == "ddp_gloo":  # a world of one on a port no other test uses
+        monkeypatch.setenv("MASTER_PORT", _free_port())
+        for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+            monkeypatch.delenv(var, raising=False)
+    main = load_sample(name).main
+    argv = [*SAMPLES[name], "--device", "cpu"]
+    torch.manual_seed(0)
+    exact_trace, exact, exact_steps = _exact(main, argv)
+    torch.manual_seed(0)
+    trace, hooked, steps = _hooks_only(main, argv)
+
+    def sized(t: list[dict[str, Any]], labels: list[list[Any]]) -> list[tuple[int, str]]:
+        return [(t[i]["size"], c) for i, c in labels]
+
+    assert sized(trace, hooked) == sized(exact_trace, exact)
+    assert steps == exact_steps
+    peak = at_peak(trace, hooked)
+    assert peak["parameters"] > 0 and peak["activations"] > 0
+    if name != "ddp_gloo":  # DDP's gloo threads free buffers at times that vary by run
+        assert [e["action"] for e in trace] == [e["action"] for e in exact_trace]
+        assert peak == at_peak(exact_trace, exact)
+
+
+def test_a_compiled_model_compiles_whole_under_the_labeller() -> None:
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.warns(UserWarning, match="global hooks"), HookLabeller() as labeller:
+        for _ in range(2):
+            compiled(torch.randn(5, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    seen = Counter(s.category for s in labeller.sightings)
+    # 4 parameters (seen by the optimizer), their gradients each step, Adam's 3 tensors each
+    assert seen == {"parameters": 4, "gradients": 8, "optimizer_state": 12,
+                    "activations": seen["activations"]}
+    assert seen["activations"] > 0
