@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.test_run_cli import memprof_run, report
+from tests.test_run_cli import block, memprof_run, report
 
 TRAIN = """\
 import os, signal, sys, torch
@@ -83,6 +83,25 @@ def test_dataloader_workers_do_not_record(tmp_path: Path) -> None:
     assert result.code == 0, result.stderr
     assert result.stdout.splitlines() == ["recording in a worker: False"] * 2
     assert report(tmp_path / "out")["run"]["exit"]["status"] == "completed"
+
+
+COMPILED = """\
+import torch
+model = torch.compile(torch.nn.Linear(64, 64))
+model(torch.randn(32, 64)).sum().backward()
+print(type(model).__name__)
+"""
+
+
+def test_compile_runs_eagerly_and_says_so(tmp_path: Path) -> None:
+    # Dynamo falls back to eager under a dispatch mode without a word: the report must say
+    (tmp_path / "c.py").write_text(COMPILED)
+    result = memprof_run(tmp_path, "-o", "out", "--device", "cpu", "c.py")
+    assert result.code == 0, result.stderr
+    assert result.stdout.strip() == "Linear"
+    assert result.stderr.count("torch.compile ran the model eagerly") == 1
+    data = report(tmp_path / "out")
+    assert data["devices"][0]["category_peaks"]["parameters"] == block(64 * 64 * 4) + block(64 * 4)
 
 
 def test_script_excepthook_is_used(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memprof.collect.eager_compile import EagerCompile
 from memprof.collect.labels import LabelHooks
 from memprof.collect.module_scope import ModuleScope
 from memprof.collect.storages import StorageTracker
@@ -36,6 +37,7 @@ class CpuRecorder:
         self._tracker = tracker or StorageTracker()
         self._hooks = LabelHooks(self._tracker)
         self._scope = ModuleScope(self._tracker)
+        self._compile = EagerCompile("CPU recorder")
         self._labels: list[list[Any]] | None = None
         self._tags: list[list[Any]] = []
         self._started = False
@@ -47,9 +49,11 @@ class CpuRecorder:
         self._started = True
         self._hooks.install()
         self._scope.install()
+        self._compile.install()
         try:
             self._tracker.__enter__()
         except BaseException:
+            self._compile.remove()
             self._scope.remove()
             self._hooks.remove()
             raise
@@ -59,6 +63,7 @@ class CpuRecorder:
         if not self._started or self._labels is not None:
             raise RuntimeError("stop() needs a recording CpuRecorder")
         try:
+            self._compile.remove()
             self._scope.remove()
             self._hooks.remove()
         finally:

@@ -15,13 +15,13 @@ notice: compiled code runs eagerly.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch.optim.optimizer import _foreach_supported_types
 from torch.overrides import _get_current_function_mode_stack
 
+from memprof.collect.eager_compile import EagerCompile
 from memprof.collect.virtual import autocast
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.checkpoints import Checkpoints
@@ -50,7 +50,7 @@ class VirtualGpu:
 
     def __enter__(self) -> VirtualGpu:
         patches = cuda_api(self.card, self.recorder, self.history)
-        patches[(torch, "compile")] = _eager_compile
+        patches[(torch, "compile")] = EagerCompile("virtual GPU")
         patches[(torch, "clear_autocast_cache")] = _clear_autocast_cache
         patches.update(self._host_state.patches())
         patches.update(self._checkpoints.patches())
@@ -108,13 +108,3 @@ _clear_cpp_autocast_cache = torch.clear_autocast_cache
 def _clear_autocast_cache() -> None:
     _clear_cpp_autocast_cache()
     autocast.clear_cache()
-
-
-def _eager_compile(model: Any = None, **kwargs: Any) -> Any:
-    """``torch.compile`` under the virtual GPU: the function itself, run eagerly."""
-    print("memprof: virtual GPU: torch.compile ran the model eagerly; compiled kernels'"
-          " memory (fusion, the partitioner's saved activations) is not predicted",
-          file=sys.stderr)
-    if model is None:
-        return lambda fn: fn
-    return model
