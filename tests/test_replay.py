@@ -256,3 +256,16 @@ def test_the_verdict_counts_block_addresses_the_model_did_not_reproduce():
     assert (r.decisions_matched, r.decisions_total) == (3, 3)
     assert (r.addresses_matched, r.addresses_total) == (2, 3)
     assert r.note == "1 block addresses differ, the first at event 5"
+
+
+def test_an_allocation_inside_a_private_pools_segment_is_predicted_in_that_pool():
+    # a CUDA graph's private pool: its segment's later blocks belong to it too, so best fit
+    # looks there, not in the default pool's free segment at a lower address
+    default, private = 0x10000000, 0x20000000
+    segments = [_segment(default, 20 * MIB, []),
+                {**_segment(private, 20 * MIB, [(0, 2 * MIB, "active_allocated"),
+                                                (2 * MIB, 2 * MIB, "active_allocated")]),
+                 "segment_pool_id": (0, 1)}]
+    trace = [_event("alloc", private + 2 * MIB, 2 * MIB)]
+    d = explain(normalize({"segments": segments, "device_traces": [trace]})).devices[0]
+    assert (d.replay.addresses_matched, d.replay.addresses_total) == (1, 1)

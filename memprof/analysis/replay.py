@@ -219,7 +219,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         for i, (action, addr, size, stream) in enumerate(zip(*columns, strict=True), base):
             if action == _ALLOC:
                 rounded = round_size(size)
-                pool = pools.get(addr, DEFAULT_POOL) if pools else DEFAULT_POOL
+                pool = _pool_of(alloc, pools, addr) if pools else DEFAULT_POOL
                 predicted = find_free(rounded, stream, pool)
                 if predicted is not None and predicted.addr == addr and not pending:
                     reproduced += 1
@@ -291,6 +291,14 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         check=check,
         final=capture(alloc, n - 1),
     )
+
+
+def _pool_of(alloc: CachingAllocator, pools: dict[int, tuple[int, int]], addr: int
+             ) -> tuple[int, int]:
+    """The private pool of the segment that holds ``addr`` (``pools`` is keyed by segment
+    address; a block inside a segment has an address of its own)."""
+    block = alloc.containing(addr)
+    return block.seg.pool if block is not None else pools.get(addr, DEFAULT_POOL)
 
 
 def _apply_growth(alloc: CachingAllocator, growth: list[tuple[int, int, int, int]],
