@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memprof.analysis.allocator import CachingAllocator, OutOfMemory
+from memprof.analysis.allocator import CachingAllocator
+from memprof.analysis.blocks import OutOfMemory
 from memprof.analysis.explain import explain
 from memprof.analysis.replay import replay
 from memprof.analysis.settings import parse_alloc_conf, unmodelled

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from memprof.advise.peak import Peak
-from memprof.analysis.allocator import MIN_BLOCK
+from memprof.analysis.blocks import MIN_BLOCK
 from memprof.collect.model_facts import SMALL_TENSOR
 from memprof.trace.model import (
     ACTIVATIONS,

@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from memprof.analysis.allocator import Block, CachingAllocator, Segment
+from memprof.analysis.allocator import CachingAllocator
+from memprof.analysis.blocks import Block, Segment
 from memprof.trace.model import AllocatorSettings
 
 Event = dict[str, Any]

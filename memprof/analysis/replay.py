@@ -15,13 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from memprof.analysis.allocator import (
-    DEFAULT_POOL,
-    SMALL_BUFFER,
-    Block,
-    CachingAllocator,
-    FreeBlockStats,
-)
+from memprof.analysis.allocator import CachingAllocator
+from memprof.analysis.blocks import DEFAULT_POOL, SMALL_BUFFER, Block, FreeBlockStats
 from memprof.analysis.window_start import InitialBlock, rebuild_start
 from memprof.trace.model import Action, AllocatorSettings, DeviceTrace, Segment
 

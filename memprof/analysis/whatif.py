@@ -9,7 +9,8 @@ other settings is unknown. Where the recording released cached memory
 
 from __future__ import annotations
 
-from memprof.analysis.allocator import Block, CachingAllocator, OutOfMemory
+from memprof.analysis.allocator import CachingAllocator
+from memprof.analysis.blocks import Block, OutOfMemory
 from memprof.analysis.findings import WhatIf
 from memprof.analysis.replay import Replay
 from memprof.trace.model import Action, AllocatorSettings, DeviceTrace

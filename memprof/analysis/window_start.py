@@ -13,13 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memprof.analysis.allocator import (
-    DEFAULT_POOL,
-    LARGE_BUFFER,
-    SMALL_BUFFER,
-    SMALL_SIZE,
-    CachingAllocator,
-)
+from memprof.analysis.allocator import CachingAllocator
+from memprof.analysis.blocks import DEFAULT_POOL, LARGE_BUFFER, SMALL_BUFFER, SMALL_SIZE
 from memprof.trace.model import Action, DeviceTrace, Frames, Segment
 
 _ALLOC, _FREE_REQUESTED, _FREE_COMPLETED = int(Action.ALLOC), int(Action.FREE_REQUESTED), \

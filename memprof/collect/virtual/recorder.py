@@ -15,7 +15,8 @@ from types import FrameType
 
 import torch
 
-from memprof.analysis.allocator import CachingAllocator, OutOfMemory
+from memprof.analysis.allocator import CachingAllocator
+from memprof.analysis.blocks import OutOfMemory
 from memprof.analysis.layout import Placer
 from memprof.collect.frames import Frame, StackCapture
 from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
