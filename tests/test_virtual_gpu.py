@@ -215,6 +215,23 @@ def oom(where: Path) -> Result:
                        "--layers", "4")
 
 
+GRADIENT_SUM = """\
+import sys
+import torch
+x = torch.randn(1 << 20, device="cuda", requires_grad=True)  # 4 MiB
+loss = (x * 2).sum() + (x * 3).sum() + (x * 4).sum()  # three gradients flow into x
+torch.cuda.memory._record_memory_history()
+loss.backward()
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+print(torch.cuda.max_memory_allocated())
+"""
+
+
+@job
+def gradient_sum(where: Path) -> Result:
+    return inline(where, "H100", "gradient_sum", GRADIENT_SUM, str(where / "dumped.pickle"))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
     base = tmp_path_factory.mktemp("virtual")
@@ -346,6 +363,17 @@ def test_training_holds_a_cublas_workspace_per_thread(runs: dict[str, Future[Any
     # labelled as what they are, not "other"
     assert device_of(where)["categories"]["workspace"] == 2 * size
     assert device_of(where)["categories"]["other"] == 0
+
+
+def test_gradients_flowing_into_one_tensor_are_summed_in_place(runs: dict[str, Future[Any]]
+                                                              ) -> None:
+    # autograd adds each new gradient into the buffered one (InputBuffer::accumulate): three
+    # 4 MiB gradients, never a fourth block for their sum; at most x and two of them live
+    result, where = finished(runs, "gradient_sum")
+    with open(where / "dumped.pickle", "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    assert sum(e["action"] == "alloc" and e["size"] == 4 << 20 for e in trace) == 3
+    assert int(result.stdout) == 3 * (4 << 20) + 2 * 512  # and the loss, backward's ones
 
 
 def test_a_dumped_snapshot_reads_back_in_explain(runs: dict[str, Future[Any]]) -> None:

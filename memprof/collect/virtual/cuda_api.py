@@ -188,10 +188,16 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
         "device_index": lambda device=None: contextlib.nullcontext(),
         "get_memory_info": mem_get_info}
     for name, value in accelerator.items():
-        for module in (torch.accelerator, torch.accelerator.memory):
+        for module in _accelerator_modules():
             if hasattr(module, name):
                 patches[(module, name)] = value
     return patches
+
+
+def _accelerator_modules() -> list[object]:
+    """``torch.accelerator`` and its ``memory`` module, where this torch has them."""
+    accelerator = getattr(torch, "accelerator", None)
+    return [m for m in (accelerator, getattr(accelerator, "memory", None)) if m is not None]
 
 
 class HistoryWindow:

@@ -15,6 +15,7 @@ notice: compiled code runs eagerly.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -58,9 +59,11 @@ class VirtualGpu:
         # own, where the (thread-local) mode does not reach
         patches[(torch.Tensor, "pin_memory")] = _pinned
         patches[(torch.autograd, "_engine_run_backward")] = self._backward
+        seen: set[int] = set()
         for (owner, name), value in patches.items():
             self._saved[(owner, name)] = getattr(owner, name)
-            setattr(owner, name, value)
+            setattr(owner, name, _copy(value) if id(value) in seen else value)
+            seen.add(id(value))
         _foreach_supported_types.append(VirtualTensor)
         VirtualTensor.on_create = self.recorder.adopt
         self._host_state.install()
@@ -95,6 +98,19 @@ class VirtualGpu:
         for (owner, name), value in self._saved.items():
             setattr(owner, name, value)
         self._saved.clear()
+
+
+def _copy(value: Any) -> Any:
+    """A function of its own for a name patched with a function already used: Dynamo's
+    rule table (torch 2.6) refuses one function object found under two torch names with
+    different rules."""
+    if not isinstance(value, types.FunctionType):
+        return value
+    copy = types.FunctionType(value.__code__, value.__globals__, value.__name__,
+                              value.__defaults__, value.__closure__)
+    copy.__kwdefaults__ = value.__kwdefaults__
+    copy.__dict__.update(value.__dict__)
+    return copy
 
 
 def _pinned(tensor: torch.Tensor, device: object = None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from memprof.analysis.blocks import OutOfMemory
 from memprof.analysis.layout import Placer
 from memprof.collect.frames import Frame, StackCapture
 from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
+from memprof.collect.virtual.accumulate import ADD, accumulates_in_place
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.tensor import VirtualTensor
 from memprof.collect.virtual.workspaces import CublasWorkspaces, cublas_workspace_bytes
@@ -69,6 +70,11 @@ class VirtualRecorder(StorageTracker):
         self.peak_allocated = self.allocator.allocated
         self.peak_reserved = self.allocator.reserved
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is ADD and accumulates_in_place(args, kwargs or {}, self._caller()):
+            return args[0]  # the engine's gradient sum, in place as on the card
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
     def adopt(self, t: VirtualTensor) -> None:
         """Record a virtual tensor made outside an operator (a factory, a host copy)."""
         if self._announce and type(t) is VirtualTensor:
@@ -104,6 +110,13 @@ class VirtualRecorder(StorageTracker):
         dropped = super()._trim()
         self.placer.forget(dropped)
         return dropped
+
+    def _caller(self) -> FrameType | None:
+        """The frame that called the operator now dispatched (C++ callers have none)."""
+        frame = sys._getframe(2)
+        while frame is not None and id(frame.f_code) in self._wrappers:
+            frame = frame.f_back
+        return frame
 
     def _op_frame(self) -> FrameType | None:
         frame = sys._getframe(1)
