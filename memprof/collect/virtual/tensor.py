@@ -139,6 +139,11 @@ class VirtualTensor(torch.Tensor):
         on_device = not to_host and any(
             type(t) is VirtualTensor for t in torch.utils._pytree.tree_leaves((args, kwargs)))
         wrap = VirtualTensor if on_device else HostVirtualTensor
+        if getattr(func, "is_view", False) and _viewing_normal_tensor(args):
+            # as a view of a normal tensor is, in inference mode too (autograd then gives it
+            # its base's version counter, which an inference tensor cannot hold)
+            with torch.inference_mode(False):
+                return tree_map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
         return tree_map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
 
 
@@ -165,6 +170,12 @@ class HostVirtualTensor(VirtualTensor):
     def __tensor_unflatten__(inner: dict, meta: object, sizes: object, strides: object
                              ) -> VirtualTensor:
         return HostVirtualTensor(inner["elem"])
+
+
+def _viewing_normal_tensor(args: tuple) -> bool:
+    """Whether a view op, in inference mode, views a tensor made outside it."""
+    return (torch.is_inference_mode_enabled() and bool(args)
+            and isinstance(args[0], torch.Tensor) and not args[0].is_inference())
 
 
 def _is_host(device: object) -> bool:
