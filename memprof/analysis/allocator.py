@@ -12,8 +12,12 @@ from __future__ import annotations
 import bisect
 from bisect import bisect_left, insort
 
+import numpy as np
+
 from memprof.analysis.blocks import (
+    ADDR_MASK,
     DEFAULT_POOL,
+    KEY_SHIFT,
     LARGE_BUFFER,
     MIN_BLOCK,
     MIN_LARGE_ALLOC,
@@ -25,18 +29,12 @@ from memprof.analysis.blocks import (
     OutOfMemory,
     Segment,
 )
+from memprof.analysis.expandable import ExpandableSegments
+from memprof.analysis.release import CacheRelease
 from memprof.trace.model import AllocatorSettings
 
-# The address space an expandable segment reserves beyond its mapped pages (about 1.125x
-# the device's memory): larger than any block, which is all the best-fit rule needs.
-_UNMAPPED_SPACE = 1 << 60
-# A free list orders its blocks by (size, address), packed in one int: ints compare faster
-# than tuples, and a free list is searched at every allocation and free.
-_KEY_SHIFT = 64
-_ADDR_MASK = (1 << _KEY_SHIFT) - 1
 
-
-class CachingAllocator:
+class CachingAllocator(ExpandableSegments, CacheRelease):
     """The allocator state of one device, with the policy of PyTorch's native backend.
 
     ``limit`` caps reserved memory, as ``set_per_process_memory_fraction`` (or a smaller
@@ -52,10 +50,12 @@ class CachingAllocator:
         self.max_split = self.settings.max_split_size or (1 << 63) - 1
         self._any_divisions = any(d > 1 for d in self.settings.roundup_power2_divisions)
         self._expandable = self.settings.expandable_segments
-        # free blocks per (pool id, small?, stream), as sorted keys (see _KEY_SHIFT)
+        # free blocks per (pool id, small?, stream), as sorted keys (see KEY_SHIFT)
         self._free: dict[tuple[tuple[int, int], bool, int], list[int]] = {}
         self._blocks: dict[int, Block] = {}  # every block, by start address
-        self._starts: list[int] = []  # the same addresses, sorted: which block holds an address
+        # the same addresses, sorted: which block holds an address (built on first use, as
+        # most replays never ask)
+        self._starts: list[int] | None = None
         self.segments: dict[int, Segment] = {}
         self.allocated = 0  # block bytes held by tensors (max_memory_allocated's stat)
         self.requested = 0
@@ -77,6 +77,12 @@ class CachingAllocator:
         if divisions > 1 and size > MIN_BLOCK * divisions:
             return self._roundup_power2_next_division(size, divisions)
         return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+
+    def round_sizes(self, sizes: np.ndarray) -> list[int]:
+        """:meth:`round_size` of each of ``sizes`` (int64 request sizes)."""
+        if self._any_divisions:
+            return list(map(self.round_size, sizes.tolist()))
+        return np.maximum((sizes + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK, MIN_BLOCK).tolist()
 
     def _divisions(self, size: int) -> int:
         table = self.settings.roundup_power2_divisions
@@ -139,8 +145,11 @@ class CachingAllocator:
 
     def containing(self, addr: int) -> Block | None:
         """The block whose range holds ``addr``."""
-        i = bisect.bisect_right(self._starts, addr) - 1
-        block = self._blocks[self._starts[i]] if i >= 0 else None
+        starts = self._starts
+        if starts is None:
+            starts = self._starts = sorted(self._blocks)
+        i = bisect.bisect_right(starts, addr) - 1
+        block = self._blocks[starts[i]] if i >= 0 else None
         return block if block is not None and addr < block.addr + block.size else None
 
     def free_stats(self) -> FreeBlockStats:
@@ -149,7 +158,7 @@ class CachingAllocator:
         for keys in self._free.values():
             if keys:
                 count += len(keys)
-                largest = max(largest, keys[-1] >> _KEY_SHIFT)
+                largest = max(largest, keys[-1] >> KEY_SHIFT)
         return FreeBlockStats(self.cached_bytes, largest, count)
 
     # -- policy --------------------------------------------------------------------------
@@ -162,7 +171,7 @@ class CachingAllocator:
         keys = self._free.get((pool, small, stream))
         if not keys:
             return None
-        i = bisect_left(keys, rounded << _KEY_SHIFT)
+        i = bisect_left(keys, rounded << KEY_SHIFT)
         if i == len(keys):
             return None
         if self._expandable:
@@ -171,17 +180,14 @@ class CachingAllocator:
                    and self._growable_size(keys[i + 1]) < self._growable_size(keys[i])):
                 i += 1
         key = keys[i]
-        size = key >> _KEY_SHIFT
-        if rounded < self.max_split <= size:
-            return None  # no oversize block for a request that would split it
-        if rounded >= self.max_split and size >= rounded + LARGE_BUFFER:
+        size = key >> KEY_SHIFT
+        max_split = self.max_split
+        if rounded < max_split:
+            if size >= max_split:
+                return None  # no oversize block for a request that would split it
+        elif size >= rounded + LARGE_BUFFER:
             return None  # an oversize request takes an oversize block only if it is close
-        return self._blocks[key & _ADDR_MASK]
-
-    def _growable_size(self, key: int) -> int:
-        block = self._blocks[key & _ADDR_MASK]
-        return (key >> _KEY_SHIFT) + (_UNMAPPED_SPACE if block.seg.expandable
-                                      and block.next is None else 0)
+        return self._blocks[key & ADDR_MASK]
 
     def malloc(self, requested: int, stream: int = 0, pool: tuple[int, int] = DEFAULT_POOL,
                at: int | None = None) -> Block:
@@ -222,57 +228,6 @@ class CachingAllocator:
         assert seg.first is not None
         return seg.first
 
-    def _collect_garbage(self) -> None:
-        """Free cached whole segments of the default large pool, oldest first, down to
-        ``garbage_collection_threshold`` of the limit (``garbage_collect_cached_blocks``)."""
-        assert self.limit is not None
-        threshold = int(self.settings.garbage_collection_threshold * self.limit)
-        if self.reserved <= threshold:
-            return
-        target = self.reserved - threshold
-        # in the order of (stream, size, address)
-        candidates = [self._blocks[k & _ADDR_MASK]
-                      for (pool, small, _), keys in sorted(self._free.items())
-                      if pool == DEFAULT_POOL and not small for k in keys]
-        candidates = [b for b in candidates if b.prev is None and b.next is None
-                      and not b.seg.expandable]
-        ages = {b.addr: self._gc_clock - b.gc_base for b in candidates}
-        total_age, count, reclaimed, freed = sum(ages.values()), len(candidates), 0, True
-        while reclaimed < target and freed and count:
-            average, freed = total_age / count, False
-            for block in list(candidates):
-                if ages[block.addr] >= average:
-                    freed = True
-                    reclaimed += block.size
-                    total_age -= ages[block.addr]
-                    count -= 1
-                    candidates.remove(block)
-                    self.remove_segment(block.seg)
-
-    def _release_oversize(self, rounded: int, stream: int, pool: tuple[int, int]) -> None:
-        """Free cached oversize segments of the request's pool and stream, the smallest one
-        that is big enough, else the largest down (``release_available_cached_blocks``)."""
-        if self.settings.max_split_size is None:
-            return
-        keys = self._free.get((pool, rounded <= SMALL_SIZE, stream), [])
-        want = max(rounded, self.max_split)
-        i = bisect_left(keys, want << _KEY_SHIFT)
-        if i < len(keys):
-            self._release_whole(self._blocks[keys[i] & _ADDR_MASK])
-            return
-        released = 0
-        for key in reversed(keys[:i]):
-            size = key >> _KEY_SHIFT
-            if released >= want or size < self.max_split:
-                break
-            released += size
-            self._release_whole(self._blocks[key & _ADDR_MASK])
-
-    def _release_whole(self, block: Block) -> None:
-        """Give a free block's segment back, if the block is all of it (oversize blocks are)."""
-        if block.prev is None and block.next is None and not block.seg.expandable:
-            self.remove_segment(block.seg)
-
     def allocate_from(self, block: Block, requested: int, rounded: int) -> Block:
         """Allocate ``requested`` (rounded to ``rounded``) bytes from the free ``block``."""
         self._remove_free(block)
@@ -312,115 +267,6 @@ class CachingAllocator:
         self.allocated -= size
         block.seg.group[2] -= size
         self.requested -= block.requested
-
-    # -- expandable segments --------------------------------------------------------------
-
-    @staticmethod
-    def page_size(small: bool) -> int:
-        return SMALL_BUFFER if small else LARGE_BUFFER
-
-    def map_pages(self, addr: int, size: int, stream: int = 0,
-                  pool: tuple[int, int] = DEFAULT_POOL, small: bool | None = None) -> Segment:
-        """Map ``size`` bytes at ``addr`` (segment_map): grow the range it extends, or start one.
-
-        Each contiguous mapped range is one segment, as snapshots report them.
-        """
-        for seg in self.segments.values():
-            if seg.expandable and seg.stream == stream and seg.addr + seg.total == addr:
-                break
-        else:
-            small = size % LARGE_BUFFER != 0 if small is None else small
-            return self.add_segment(addr, size, stream, pool, small, expandable=True)
-        last = seg.first
-        while last is not None and last.next is not None:
-            last = last.next
-        assert last is not None
-        if last.cached:
-            self._remove_free(last)
-            last.size += size
-            self._insert_free(last)
-        else:
-            tail = Block(addr, size, seg)
-            tail.prev, last.next = last, tail
-            self._index(tail)
-            self._insert_free(tail)
-        seg.total += size
-        self.reserved += size
-        seg.group[1] += size
-        return seg
-
-    def unmap_pages(self, addr: int, size: int) -> None:
-        """Unmap free pages ``[addr, addr + size)`` (segment_unmap), cutting their range in two."""
-        block = self._take(addr, size)
-        seg, before, after = block.seg, block.prev, block.next
-        self._unindex(block.addr)
-        group = seg.group
-        group[0] -= 1
-        group[1] -= seg.total
-        self.reserved -= seg.total
-        del self.segments[seg.addr]
-        for first, last in ((seg.first if before else None, before), (after, None)):
-            if first is None:
-                continue
-            first.prev = None
-            if last is not None:
-                last.next = None
-            part = Segment(first.addr, 0, seg.stream, seg.pool, seg.small, True)
-            part.free_keys, part.group = seg.free_keys, group
-            part.first, b = first, first
-            while b is not None:
-                b.seg = part
-                part.total += b.size
-                b = b.next
-            self.segments[part.addr] = part
-            self.reserved += part.total
-            group[0] += 1
-            group[1] += part.total
-
-    def grow_plan(self, rounded: int, stream: int, pool: tuple[int, int]) -> tuple[int, int]:
-        """Where a block of ``rounded`` bytes would start and how many bytes must be mapped.
-
-        The pages go at the end of the stream's last range, after its free tail; -1 for
-        the address means a new range.
-        """
-        small = rounded <= SMALL_SIZE
-        page = self.page_size(small)
-        ranges = [s for s in self.segments.values()
-                  if s.expandable and s.stream == stream and s.pool == pool and s.small == small]
-        seg = max(ranges, key=lambda s: s.addr, default=None)
-        if seg is None:
-            return -1, -(-rounded // page) * page
-        last = seg.blocks()[-1]
-        free_tail = last.size if last.cached else 0
-        return seg.addr + seg.total - free_tail, -(-(rounded - free_tail) // page) * page
-
-    def _grow(self, rounded: int, stream: int, pool: tuple[int, int]) -> Block:
-        addr, need = self.grow_plan(rounded, stream, pool)
-        last = self.block_at(addr) if addr >= 0 else None
-        map_at = self._synthetic_address(1 << 40) if addr < 0 else addr + (last.size if last else 0)
-        seg = self.map_pages(map_at, need, stream, pool, rounded <= SMALL_SIZE)
-        return seg.blocks()[-1]
-
-    def release_cached(self) -> int:
-        """Free every wholly free segment and unmap the free pages of expandable ones.
-
-        What ``torch.cuda.empty_cache()`` and the last out-of-memory retry do; returns
-        the bytes released.
-        """
-        before = self.reserved
-        pages = []
-        for seg in list(self.segments.values()):
-            if seg.expandable:
-                page = self.page_size(seg.small)
-                for b in seg.blocks():
-                    lo, hi = -(-b.addr // page) * page, (b.addr + b.size) // page * page
-                    if b.cached and hi > lo:
-                        pages.append((lo, hi - lo))
-            elif seg.first is not None and seg.first.next is None and seg.first.cached:
-                self.remove_segment(seg)
-        for addr, size in pages:
-            self.unmap_pages(addr, size)
-        return before - self.reserved
 
     # -- internals -----------------------------------------------------------------------
 
@@ -486,22 +332,24 @@ class CachingAllocator:
 
     def _index(self, block: Block) -> None:
         self._blocks[block.addr] = block
-        insort(self._starts, block.addr)
+        if self._starts is not None:
+            insort(self._starts, block.addr)
 
     def _unindex(self, addr: int) -> None:
         del self._blocks[addr]
-        del self._starts[bisect_left(self._starts, addr)]
+        if self._starts is not None:
+            del self._starts[bisect_left(self._starts, addr)]
 
     def _insert_free(self, block: Block) -> None:
         size = block.size
-        insort(block.seg.free_keys, size << _KEY_SHIFT | block.addr)
+        insort(block.seg.free_keys, size << KEY_SHIFT | block.addr)
         block.gc_base = self._gc_clock
         self.cached_bytes += size
 
     def _remove_free(self, block: Block) -> None:
         size = block.size
         keys = block.seg.free_keys
-        key = size << _KEY_SHIFT | block.addr
+        key = size << KEY_SHIFT | block.addr
         i = bisect_left(keys, key)
         if i < len(keys) and keys[i] == key:
             del keys[i]

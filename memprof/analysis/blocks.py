@@ -12,6 +12,10 @@ MIN_LARGE_ALLOC = 10 << 20
 LARGE_BUFFER = 20 << 20
 ROUND_LARGE = 2 << 20
 DEFAULT_POOL = (0, 0)
+# A free list orders its blocks by (size, address), packed in one int: ints compare faster
+# than tuples, and a free list is searched at every allocation and free.
+KEY_SHIFT = 64
+ADDR_MASK = (1 << KEY_SHIFT) - 1
 
 
 class Block:

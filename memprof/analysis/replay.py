@@ -189,17 +189,18 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     reproduced = 0  # allocations where the simulator chose the recorded block, no growth
     peak_value, peak = alloc.allocated, capture(alloc, -1)
     ooms: list[Moment] = []
-    round_size, find_free, allocate_from = alloc.round_size, alloc.find_free, alloc.allocate_from
+    find_free, allocate_from = alloc.find_free, alloc.allocate_from
     release_stats, free = alloc.release_stats, alloc.free
 
     for base in range(0, n, _CHUNK):
         assert trace is not None
         chunk = slice(base, base + _CHUNK)
-        columns = (trace.action[chunk].tolist(), trace.addr[chunk].tolist(),
-                   trace.size[chunk].tolist(), trace.stream[chunk].tolist())
-        for i, (action, addr, size, stream) in enumerate(zip(*columns, strict=True), base):
+        sizes = trace.size[chunk]
+        columns = (trace.action[chunk].tolist(), trace.addr[chunk].tolist(), sizes.tolist(),
+                   trace.stream[chunk].tolist(), alloc.round_sizes(sizes))
+        for i, (action, addr, size, stream, rounded) in enumerate(zip(*columns, strict=True),
+                                                                  base):
             if action == _ALLOC:
-                rounded = round_size(size)
                 pool = _pool_of(alloc, pools, addr) if pools else DEFAULT_POOL
                 predicted = find_free(rounded, stream, pool)
                 if predicted is not None and predicted.addr == addr and not pending:

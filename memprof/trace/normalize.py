@@ -7,7 +7,8 @@ range, see :mod:`memprof.trace.fields`), and nothing past this module sees raw v
 from __future__ import annotations
 
 from collections.abc import Mapping
-from operator import itemgetter, methodcaller
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -238,7 +239,7 @@ def _trace(device: int, events: object, table: FrameTable) -> DeviceTrace:
         action = np.fromiter(map(_CODES.__getitem__, actions), np.int8, len(events))
         addr, size, stream = (_column(events, k) for k in ("addr", "size", "stream"))
         times = _column(events, "time_us", default=None)  # absent before PyTorch 2.2
-        frames = list(map(methodcaller("get", "frames"), events))
+        frames = list(map(dict.get, events, repeat("frames")))  # every event is a dict by now
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
         raise NotASnapshot(f"malformed event in {where}: {exc}") from None
     _in_range(where, "addr", addr, MAX_ADDRESS)
