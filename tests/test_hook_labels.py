@@ -3,8 +3,8 @@
 On a GPU the allocator's history is the trace; here the CPU recorder's storage tracker
 makes one with real data pointers. Each sample runs twice, once under the exact CPU
 recorder (a dispatch mode that sees every storage) and once under the tracker for the
-trace and the hooks-only labeller for the categories; every alloc must get the same
-category in both.
+trace and the hooks-only labeller for the categories and modules; every alloc must get
+the same category in both, and the same module but in backward (see below).
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ import torch
 from test_run_cli import LEAK, MLP, flags, load_sample
 
 from memprof.collect.cpu_recorder import CpuRecorder
-from memprof.collect.hook_labels import Sighting, label_trace, sequence_times, step_ends
+from memprof.collect.hook_labels import (
+    Sighting,
+    label_trace,
+    sequence_clock,
+    sequence_times,
+    step_ends,
+)
 from memprof.collect.labeller import HookLabeller
 from memprof.collect.storages import StorageTracker
 
@@ -69,11 +75,13 @@ def test_the_first_category_in_order_wins_and_other_addresses_are_ignored() -> N
 
 def test_a_sequence_clock_and_step_ends() -> None:
     trace = [_alloc(0x1000, 8, 0), *_free(0x1000, 8, 0), _alloc(0x1000, 8, 0)]
-    times = sequence_times(trace)  # position n: after n events
-    assert label_trace(trace, [Sighting(1, 0x1000, 8, "gradients"),
-                               Sighting(4, 0x1000, 8, "optimizer_state")], times) == [
+    times = sequence_times(trace)
+    position = sequence_clock(trace[:1])  # after the first event
+    assert (times, position()) == ([1, 3, 5, 7], 2)
+    assert label_trace(trace, [Sighting(2, 0x1000, 8, "gradients"),
+                               Sighting(8, 0x1000, 8, "optimizer_state")], times) == [
         [0, "gradients"], [3, "optimizer_state"]]
-    assert step_ends(times, [3, 4]) == [3, 4]
+    assert step_ends(times, [6, 8]) == [3, 4]
     assert step_ends([5, 7, 7, 9], [7, 8, 100]) == [3, 3, 4]
 
 
@@ -95,20 +103,20 @@ SAMPLES: dict[str, list[str]] = {
 }
 
 
-def _exact(main: Callable[[list[str]], object], argv: list[str]) -> tuple[list, list, list]:
+def _exact(main: Callable[[list[str]], object], argv: list[str]
+           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     with CpuRecorder() as recorder:
         main(argv)
     snapshot = recorder.snapshot()
-    meta = snapshot["memprof"]
-    return snapshot["device_traces"][0], meta["labels"], meta["steps"]
+    return snapshot["device_traces"][0], snapshot["memprof"]
 
 
-def _hooks_only(main: Callable[[list[str]], object], argv: list[str]) -> tuple[list, list, list]:
+def _hooks_only(main: Callable[[list[str]], object], argv: list[str]
+                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     tracker = StorageTracker()  # only for the trace: the labeller never asks it anything
-    with HookLabeller(clock=lambda: len(tracker.events)) as labeller, tracker:
+    with HookLabeller(clock=sequence_clock(tracker.events)) as labeller, tracker:
         main(argv)
-    meta = labeller.labels(tracker.events, sequence_times(tracker.events))
-    return tracker.events, meta["labels"], meta["steps"]
+    return tracker.events, labeller.labels(tracker.events, sequence_times(tracker.events))
 
 
 def at_peak(trace: list[dict[str, Any]], labels: list[list[Any]]) -> Counter[str]:
@@ -138,20 +146,41 @@ def test_hooks_only_labels_equal_the_exact_recorder(name: str, monkeypatch) -> N
     main = load_sample(name).main
     argv = [*SAMPLES[name], "--device", "cpu"]
     torch.manual_seed(0)
-    exact_trace, exact, exact_steps = _exact(main, argv)
+    exact_trace, exact_meta = _exact(main, argv)
     torch.manual_seed(0)
-    trace, hooked, steps = _hooks_only(main, argv)
+    trace, meta = _hooks_only(main, argv)
+    exact, hooked = exact_meta["labels"], meta["labels"]
 
     def sized(t: list[dict[str, Any]], labels: list[list[Any]]) -> list[tuple[int, str]]:
         return [(t[i]["size"], c) for i, c in labels]
 
     assert sized(trace, hooked) == sized(exact_trace, exact)
-    assert steps == exact_steps
+    assert meta["steps"] == exact_meta["steps"]
     peak = at_peak(trace, hooked)
     assert peak["parameters"] > 0 and peak["activations"] > 0
     if name != "ddp_gloo":  # DDP's gloo threads free buffers at times that vary by run
         assert [e["action"] for e in trace] == [e["action"] for e in exact_trace]
         assert peak == at_peak(exact_trace, exact)
+    assert meta["model_files"] == exact_meta["model_files"]
+    modules, exact_modules = by_alloc(trace, meta), by_alloc(exact_trace, exact_meta)
+    assert any(path for _, path, _ in modules)
+    # forward and the rest: the same module; in backward, a node that saved no tensor marks
+    # nothing, so what it allocates goes to the module of the backward before it
+    before = None
+    for (size, path, backward), (exact_size, exact_path, _) in zip(
+            modules, exact_modules, strict=True):
+        assert size == exact_size
+        assert path == exact_path or (backward and path == before)
+        before = exact_path if backward else before
+
+
+def by_alloc(trace: list[dict[str, Any]], meta: dict[str, Any]
+             ) -> list[tuple[int, str | None, bool]]:
+    """Each alloc's size, module path and whether autograd's backward made it."""
+    paths = dict(meta["modules"])
+    return [(e["size"], paths.get(i),
+             bool(e["frames"]) and e["frames"][0]["name"] == "_engine_run_backward")
+            for i, e in enumerate(trace) if e["action"] == "alloc"]
 
 
 def test_a_compiled_model_compiles_whole_under_the_labeller() -> None:
@@ -171,3 +200,20 @@ def test_a_compiled_model_compiles_whole_under_the_labeller() -> None:
     assert seen == {"parameters": 4, "gradients": 8, "optimizer_state": 12,
                     "activations": seen["activations"]}
     assert seen["activations"] > 0
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_an_evaluation_with_grad_is_tagged_as_by_the_exact_recorder(backward: bool) -> None:
+    def evaluate(argv: list[str]) -> None:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 1)).eval()
+        loss = model(torch.randn(32, 64)).sum()
+        if backward:  # a frozen module that training backpropagates through
+            loss.backward()
+
+    exact_trace, exact_meta = _exact(evaluate, [])
+    trace, meta = _hooks_only(evaluate, [])
+    tags = [(trace[i]["size"], tag) for i, tag in meta["tags"]]
+    assert tags == [(exact_trace[i]["size"], tag) for i, tag in exact_meta["tags"]]
+    # the input and the ReLU's output; nothing once a backward read them
+    assert tags == ([] if backward else [(32 * 64 * 4, "eval_activations")] * 2)

@@ -8,7 +8,7 @@ the last one made at or before it (with a block of at least ``nbytes``), or, whe
 one was already freed (clocks that disagree by a microsecond), the next one.
 
     labels = label_trace(trace, sightings)  # [[alloc_event_index, category], ...]
-    steps = step_ends(trace, labeller.steps)
+    steps = step_ends(event_times(trace), labeller.steps)
 
 Pure: no torch, no GPU; the CPU recorder's traces test it against the exact labels.
 """
@@ -16,13 +16,14 @@ Pure: no torch, no GPU; the CPU recorder's traces test it against the exact labe
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from memprof.trace.model import CATEGORIES, OTHER, TEMPORARIES
+from memprof.trace.model import ACTIVATIONS, CATEGORIES, EVAL_ACTIVATIONS, OTHER, TEMPORARIES
 
 Event = dict[str, Any]
+READ = "read"  # a tag sighting: a backward unpacked the storage
 _RANK = {category: rank for rank, category in enumerate(CATEGORIES)}
 _FREES = ("free_requested", "free_completed")
 _NEVER = float("inf")  # the end of a block the trace never frees
@@ -39,7 +40,7 @@ class Sighting(NamedTuple):
 
 
 @dataclass
-class _Blocks:
+class Blocks:
     """The allocs made at one address, in trace order."""
 
     times: list[int] = field(default_factory=list)
@@ -54,9 +55,15 @@ def event_times(trace: Sequence[Event]) -> list[int]:
 
 
 def sequence_times(trace: Sequence[Event]) -> list[int]:
-    """A sequence clock: event i happens at i + 1, so a position n (the number of events
-    recorded so far) comes after events 0..n-1."""
-    return list(range(1, len(trace) + 1))
+    """A sequence clock (``sequence_clock``): event i happens at 2i + 1."""
+    return list(range(1, 2 * len(trace), 2))
+
+
+def sequence_clock(events: Sequence[Event]) -> Callable[[], int]:
+    """A clock that reads 2n while ``events`` holds n events: after events 0..n-1 and
+    before event n (``sequence_times``); never the same moment as an event, as a
+    microsecond clock would often be."""
+    return lambda: 2 * len(events)
 
 
 def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
@@ -66,11 +73,11 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
     it and ``other`` if not. ``times``: the clock the sightings used (``event_times``
     by default)."""
     times = event_times(trace) if times is None else times
-    blocks = _blocks(trace, times)
+    blocks = blocks_by_address(trace, times)
     best: dict[int, str] = {}
     for seen in sightings:
         here = blocks.get(seen.addr)
-        index = _live_alloc(here, seen) if here is not None else None
+        index = live_alloc(here, seen.at, seen.nbytes) if here is not None else None
         if index is not None:
             current = best.get(index)
             if current is None or _RANK[seen.category] < _RANK[current]:
@@ -81,17 +88,35 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
             for i, e in enumerate(trace) if e["action"] == "alloc"]
 
 
+def tag_trace(trace: Sequence[Event], tags: Sequence[Sighting], labels: Sequence[Sequence[Any]],
+              times: Sequence[int] | None = None) -> list[list[Any]]:
+    """``[event_index, EVAL_ACTIVATIONS]`` for every alloc labelled ``activations`` (in
+    ``labels``) that an eval-mode forward saved (a sighting ``EVAL_ACTIVATIONS`` in
+    ``tags``) and no backward read (no sighting ``READ``)."""
+    blocks = blocks_by_address(trace, event_times(trace) if times is None else times)
+    saved: set[int | None] = set()
+    read: set[int | None] = set()
+    for seen in tags:
+        here = blocks.get(seen.addr)
+        if here is not None:
+            (read if seen.category == READ else saved).add(
+                live_alloc(here, seen.at, seen.nbytes))
+    return [[i, EVAL_ACTIVATIONS] for i, category in labels
+            if category == ACTIVATIONS and i in saved and i not in read]
+
+
 def step_ends(times: Sequence[int], ends: Sequence[int]) -> list[int]:
     """Step ends as exclusive event indices: the events at or before each end's moment."""
     return [bisect_right(times, at) for at in ends]
 
 
-def _blocks(trace: Sequence[Event], times: Sequence[int]) -> dict[int, _Blocks]:
-    by_addr: dict[int, _Blocks] = {}
+def blocks_by_address(trace: Sequence[Event], times: Sequence[int]) -> dict[int, Blocks]:
+    """The allocs of ``trace`` at each address, with their times, sizes and ends."""
+    by_addr: dict[int, Blocks] = {}
     for i, e in enumerate(trace):
         action = e["action"]
         if action == "alloc":
-            b = by_addr.setdefault(e["addr"], _Blocks())
+            b = by_addr.setdefault(e["addr"], Blocks())
             b.times.append(times[i])
             b.events.append(i)
             b.sizes.append(e["size"])
@@ -103,12 +128,13 @@ def _blocks(trace: Sequence[Event], times: Sequence[int]) -> dict[int, _Blocks]:
     return by_addr
 
 
-def _live_alloc(blocks: _Blocks, seen: Sighting) -> int | None:
-    """The alloc event at ``seen.addr`` live at ``seen.at`` that can hold ``seen.nbytes``."""
-    k = bisect_right(blocks.times, seen.at) - 1
-    if k >= 0 and blocks.ends[k] < seen.at:
+def live_alloc(blocks: Blocks, at: int, nbytes: int) -> int | None:
+    """The alloc event among ``blocks`` (one address's) live at ``at`` that can hold a
+    storage of ``nbytes``."""
+    k = bisect_right(blocks.times, at) - 1
+    if k >= 0 and blocks.ends[k] < at:
         k += 1  # freed before the sighting: the clocks disagree, the next one is live
     k = max(k, 0)
-    if k < len(blocks.events) and blocks.sizes[k] >= seen.nbytes:
+    if k < len(blocks.events) and blocks.sizes[k] >= nbytes:
         return blocks.events[k]
     return None

@@ -1,13 +1,16 @@
-"""The CUDA path's categories: role hooks that note storage addresses, no dispatch mode.
+"""The CUDA path's categories and modules: role hooks that note storage addresses and the
+moments modules start and end, no dispatch mode.
 
     labeller = HookLabeller(clock)
     with labeller:
         train()
     meta = labeller.labels(trace)  # the snapshot's ``memprof`` entry for ``trace``
 
-Each sighting is cheap (a data pointer, a size, a clock reading); the trace is labelled
-afterwards by ``hook_labels.label_trace``. The program runs as it would without memprof:
-no operator goes through Python, so ``torch.compile`` and the kernels are unchanged.
+Each sighting is cheap (a data pointer, a size, a clock reading), and so is each module
+mark (a clock reading and a path); the trace is labelled afterwards by
+``hook_labels.label_trace`` and ``hook_modules.module_trace``. The program runs as it
+would without memprof: no operator goes through Python, so ``torch.compile`` and the
+kernels are unchanged.
 """
 
 from __future__ import annotations
@@ -19,12 +22,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook
+from torch.utils.hooks import RemovableHandle
 
 from memprof.collect.cpu_recorder import SNAPSHOT_VERSION
-from memprof.collect.hook_labels import Event, Sighting, event_times, label_trace, step_ends
+from memprof.collect.hook_labels import (
+    READ,
+    Event,
+    Sighting,
+    event_times,
+    label_trace,
+    step_ends,
+    tag_trace,
+)
+from memprof.collect.hook_modules import Mark, Owner, module_trace
+from memprof.collect.module_stack import ModuleStack
 from memprof.collect.roles import RoleHooks
 from memprof.collect.storages import storages_behind
-from memprof.trace.model import ACTIVATIONS
+from memprof.trace.model import ACTIVATIONS, EVAL_ACTIVATIONS, GRADIENTS
+
+_Noted = dict[int, tuple[weakref.ref, object]]
 
 
 def epoch_us() -> int:
@@ -33,16 +50,26 @@ def epoch_us() -> int:
 
 
 class HookLabeller(RoleHooks):
-    """Role hooks that record each storage seen, for labelling an allocator trace."""
+    """Role hooks that record each storage seen and when each module ran, for labelling
+    an allocator trace."""
 
     def __init__(self, clock: Callable[[], int] = epoch_us) -> None:
         super().__init__()
         self.sightings: list[Sighting] = []
+        self.tags: list[Sighting] = []  # saved by an eval-mode forward, or READ in backward
+        self._eval_saved = False
+        self.marks: list[Mark] = []
+        self.owners: list[Owner] = []
         self._clock = clock
+        self._stack = ModuleStack()
+        self._owner: str | None = None  # the module whose pre-hook marks its own tensors
+        self._in_backward = False  # an end-of-backward callback is queued
+        self._exit_hook: RemovableHandle | None = None
         # id(tensor) -> (weak reference, (data pointer, category) last noted): a parameter
         # seen at every forward is noted once while its storage stays (activations are new
-        # tensors every time)
-        self._noted: dict[int, tuple[weakref.ref, tuple[object, str]]] = {}
+        # tensors every time); and likewise for its module
+        self._noted: _Noted = {}
+        self._owned: _Noted = {}
 
     def __enter__(self) -> HookLabeller:
         self.install()
@@ -51,37 +78,105 @@ class HookLabeller(RoleHooks):
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    def install(self) -> None:
+        """Register the role hooks and the forward hook that ends a module's window."""
+        super().install()
+        self._exit_hook = register_module_forward_hook(self._on_exit, always_call=True)
+
+    def remove(self) -> None:
+        """Remove every hook (the role hooks mark what the script holds first)."""
+        try:
+            super().remove()
+        finally:
+            if self._exit_hook is not None:
+                self._exit_hook.remove()
+                self._exit_hook = None
+
     def labels(self, trace: Sequence[Event], times: Sequence[int] | None = None
                ) -> dict[str, Any]:
         """The snapshot's ``memprof`` entry for ``trace``, whose events happened at
         ``times`` on this labeller's clock (their ``time_us`` by default)."""
         times = event_times(trace) if times is None else times
+        labels = label_trace(trace, self.sightings, times)
         return {
             "version": SNAPSHOT_VERSION,
             "recorder": "cuda",
             "complete": False,
-            "labels": label_trace(trace, self.sightings, times),
-            "tags": [],
+            "labels": labels,
+            "tags": tag_trace(trace, self.tags, labels, times),
             "steps": step_ends(times, self.steps),
             "model": self.model,
-            "modules": [],
-            "model_files": [],
+            "modules": module_trace(trace, self.marks, self.owners, times),
+            "model_files": sorted(self._stack.files),
         }
 
     def _position(self) -> int:
         return self._clock()
 
-    def _mark(self, t: torch.Tensor, category: str) -> None:
-        if category != ACTIVATIONS and self._noted_before(t, category):
+    def _on_forward(self, module: torch.nn.Module, args: object) -> None:
+        if torch.compiler.is_compiling():  # traced into a compiled graph: leave it as it is
             return
+        self._owner = path = self._stack.enter(module)
+        try:
+            super()._on_forward(module, args)  # marks the module's parameters and buffers
+        finally:
+            self._owner = None
+        self.marks.append(Mark(self._clock(), path, True))  # after the hook's own work
+
+    def _on_exit(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if torch.compiler.is_compiling():
+            return
+        at = self._clock()
+        self._stack.exit(module)
+        self.marks.append(Mark(at, self._stack.current(), False))
+
+    def _end_step(self) -> None:
+        super()._end_step()
+        self._stack.forget()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # attention scores are not tagged: which operator made a tensor takes a dispatch mode
+        if self._forward.tag(t, False) == EVAL_ACTIVATIONS:
+            self._eval_saved = True
+            self._sight(self.tags, t, EVAL_ACTIVATIONS)
+        return super()._pack(t)
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._eval_saved:  # a backward reads it: that eval forward was backpropagated
+            self._sight(self.tags, t, READ)
+        # a backward node unpacks what it saved before it computes: its module starts
+        if not self._in_backward:
+            if torch._C._current_autograd_node() is None:  # read outside a backward
+                return t
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        path = self._stack.current()
+        if not self.marks or self.marks[-1].path != path:
+            self.marks.append(Mark(self._clock(), path, True))
+        return t
+
+    def _backward_done(self) -> None:
+        self._in_backward = False
+        self.marks.append(Mark(self._clock(), self._stack.current(), False))
+
+    def _mark(self, t: torch.Tensor, category: str) -> None:
+        owner = self._owner if category != GRADIENTS else None
+        if owner is not None and not self._noted_before(self._owned, t, owner):
+            at = self._clock()
+            self.owners += [Owner(at, st.data_ptr(), st.nbytes(), owner)
+                            for st in storages_behind(t)]
+        if category == ACTIVATIONS or not self._noted_before(self._noted, t, category):
+            self._sight(self.sightings, t, category)
+
+    def _sight(self, into: list[Sighting], t: torch.Tensor, category: str) -> None:
         at = self._clock()
         for st in storages_behind(t):
             nbytes = st.nbytes()
             if nbytes:
-                self.sightings.append(Sighting(at, st.data_ptr(), nbytes, category))
+                into.append(Sighting(at, st.data_ptr(), nbytes, category))
 
-    def _noted_before(self, t: torch.Tensor, category: str) -> bool:
-        """Whether ``t`` was noted in ``category`` at its present address (and note it)."""
+    def _noted_before(self, noted: _Noted, t: torch.Tensor, what: str) -> bool:
+        """Whether ``noted`` has ``t`` as ``what`` at its present address (and note it)."""
         try:
             where: object = t.data_ptr()
         except RuntimeError:  # a wrapper subclass: no storage of its own
@@ -89,17 +184,18 @@ class HookLabeller(RoleHooks):
         # a dict by id with a weak reference to check: torch's WeakIdKeyDictionary costs
         # a tenth of a training step of small operators here
         key = id(t)
-        noted = self._noted.get(key)
-        if noted is not None and noted[0]() is t:
-            if noted[1] == (where, category):
+        seen = noted.get(key)
+        if seen is not None and seen[0]() is t:
+            if seen[1] == (where, what):
                 return True
-            self._noted[key] = (noted[0], (where, category))
+            noted[key] = (seen[0], (where, what))
             return False
-        self._noted[key] = (weakref.ref(t, functools.partial(self._forget, key)),
-                            (where, category))
+        noted[key] = (weakref.ref(t, functools.partial(self._forget, noted, key)),
+                      (where, what))
         return False
 
-    def _forget(self, key: int, ref: weakref.ref) -> None:
-        noted = self._noted.get(key)
-        if noted is not None and noted[0] is ref:
-            del self._noted[key]
+    @staticmethod
+    def _forget(noted: _Noted, key: int, ref: weakref.ref) -> None:
+        seen = noted.get(key)
+        if seen is not None and seen[0] is ref:
+            del noted[key]
