@@ -44,6 +44,8 @@ linear = nn.Linear(16, 32)
 torch.set_default_device("cpu")
 compiled = torch.compile(linear)(torch.ones(3, 16, device="cuda"))
 decorated = torch.compile(mode="max-autotune")(lambda t: t * 2)(made)
+torch.cuda.manual_seed(0)
+rng = torch.cuda.get_rng_state()
 with torch.inference_mode():  # a view of a tensor made outside it is a normal tensor
     inference = [made[1:].is_inference(), torch.ones(2, device="cuda")[1:].is_inference()]
 print(json.dumps({
@@ -57,6 +59,7 @@ print(json.dumps({
     "allocated": torch.cuda.memory_allocated(),
     "compiled": [list(compiled.shape), compiled.is_cuda, decorated.is_cuda],
     "inference": inference,
+    "rng": [list(rng.shape), rng.device.type, torch.cuda.is_current_stream_capturing()],
 }))
 """
 
@@ -404,7 +407,8 @@ def test_torch_cuda_answers_as_the_card(runs: dict[str, Future[Any]]) -> None:
         "allocated": block(8 * F32) + block(32 * 16 * F32) + block(32 * F32)
         + block(3 * 16 * F32) + block(3 * 32 * F32) + block(8 * F32)
         + cublas_workspace_bytes(card),
-        "compiled": [[3, 32], True, True], "inference": [False, True]}
+        "compiled": [[3, 32], True, True], "inference": [False, True],
+        "rng": [[16], "cpu", False]}
     assert result.stderr.count("hold no values") == 1
     assert result.stderr.count("torch.compile ran the model eagerly") == 1  # said once
 

@@ -142,6 +142,15 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
         "is_bf16_supported": lambda including_emulation=True: (including_emulation
                                                                or card.capability >= (8, 0)),
         "synchronize": _nothing,
+        # the card's generator is never used (no values): seeding is accepted, its state
+        # is Philox's 16 bytes (seed, offset) as a CPU byte tensor, as CUDA returns it
+        "manual_seed": _nothing, "manual_seed_all": _nothing, "seed": _nothing,
+        "seed_all": _nothing, "initial_seed": lambda: 0,
+        "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+        "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8)],
+        "set_rng_state": _nothing, "set_rng_state_all": _nothing,
+        "is_current_stream_capturing": lambda: False,  # optimizers ask before each step
+        "utilization": lambda device=None: 0,
         "Event": Event,
         "Stream": Stream,
         "current_stream": lambda device=None: stream,
@@ -166,7 +175,7 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
     }
     patches: dict[tuple[Any, str], Callable[..., Any] | type] = {}
     for name, value in answers.items():
-        for module in (cuda, memory):
+        for module in (cuda, memory, cuda.random, cuda.graphs):
             if hasattr(module, name):
                 patches[(module, name)] = value
     patches[(memory, "_record_memory_history")] = history.record
