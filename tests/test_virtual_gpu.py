@@ -238,6 +238,26 @@ def gradient_sum(where: Path) -> Result:
     return inline(where, "H100", "gradient_sum", GRADIENT_SUM, str(where / "dumped.pickle"))
 
 
+CAST_CACHE = """\
+import torch
+weight = torch.nn.Parameter(torch.randn(4096, 1024, device="cuda"))  # 8 MiB in bf16
+x = torch.randn(4, 1024, device="cuda")
+torch.nn.functional.linear(x, weight)  # the thread's cuBLAS workspace, before measuring
+held = []
+for mode in (torch.no_grad, torch.inference_mode):
+    with mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        before = torch.cuda.memory_allocated()
+        torch.nn.functional.linear(x, weight)  # its output freed at once
+        held.append(torch.cuda.memory_allocated() - before)
+print(held)
+"""
+
+
+@job
+def cast_cache(where: Path) -> Result:
+    return inline(where, "H100", "cast_cache", CAST_CACHE)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
     base = tmp_path_factory.mktemp("virtual")
@@ -314,6 +334,14 @@ def _attention_allocs(where: Path) -> list[int]:
         if mine and mine[0] == line:
             sizes.append(size)
     return sizes
+
+
+def test_autocast_caches_weight_casts_except_in_inference_mode(runs: dict[str, Future[Any]]
+                                                               ) -> None:
+    # the bf16 copy of a weight stays cached until autocast exits; in inference mode,
+    # torch 2.11 and later (this one) cast it again at every use (2.6 cached it there too)
+    result, _ = finished(runs, "cast_cache")
+    assert result.stdout.strip() == f"[{4096 * 1024 * BF16}, 0]"
 
 
 def test_h100_runs_flash_attention_with_its_logsumexp(runs: dict[str, Future[Any]]) -> None:

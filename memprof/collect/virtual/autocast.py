@@ -14,11 +14,13 @@ caching the casts of leaf tensors that require grad until autocast is left), ``f
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 AUTOCAST_CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)
@@ -84,7 +86,8 @@ def _cached_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t
     cacheable = (dtype == torch.get_autocast_dtype("cuda") and t.dtype == torch.float32
                  and t.requires_grad and t.is_leaf and not t._is_view()
-                 and torch.is_autocast_cache_enabled())
+                 and torch.is_autocast_cache_enabled()
+                 and (not torch.is_inference_mode_enabled() or caches_in_inference_mode()))
     if cacheable:
         hit = _cache.get(id(t))
         if hit is not None and hit[0] is t:
@@ -94,6 +97,32 @@ def _cached_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if cacheable:
         _cache[id(t)] = (t, out)
     return out
+
+
+class _CastCount(TorchDispatchMode):
+    """Counts the operators whose first argument is ``of``."""
+
+    def __init__(self, of: torch.Tensor) -> None:
+        super().__init__()
+        self.of = of
+        self.seen = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.seen += bool(args) and args[0] is self.of
+        return func(*args, **(kwargs or {}))
+
+
+@functools.cache
+def caches_in_inference_mode() -> bool:
+    """Whether this torch's autocast caches weight casts in inference mode (2.6 does; 2.11
+    and later cast a weight at every use). Learnt from CPU autocast, which shares
+    ``cached_cast`` with CUDA's: two uses of one weight, counting its casts."""
+    weight = torch.nn.Parameter(torch.ones(2, 2))
+    count = _CastCount(weight)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16), count:
+        for _ in range(2):
+            torch.nn.functional.linear(torch.ones(1, 2), weight)
+    return count.seen == 1
 
 
 def _lower_precision_fp(op: Any) -> Callable[..., Any]:
@@ -160,6 +189,7 @@ def _overloads(name: str) -> list[tuple[str, Any]]:
 
 def install() -> torch.library.Library:
     """Register the CUDA autocast kernels; ``_destroy()`` the returned library to remove them."""
+    caches_in_inference_mode()  # learnt now, before the script's modes and contexts
     lib = torch.library.Library("aten", "IMPL")
     kernels: list[tuple[str, Callable[..., Any]]] = []
     for policy, names in ((_lower_precision_fp, LOWER_PRECISION), (_fp32, FP32),
