@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from memprof.analysis.explain import explain as analyse
-from memprof.analysis.explain import merge_ranks
-from memprof.analysis.settings import parse_alloc_conf, unmodelled
 from memprof.cli.sizes import parse_size
 from memprof.errors import MemprofError
-from memprof.report import console as console_report
-from memprof.report.files import check_writable
-from memprof.report.json import report_dict, write_json
-from memprof.report.text import plain
-from memprof.trace import load_snapshot
-from memprof.trace.load import gc_paused
-from memprof.trace.model import AllocatorSettings
+
+if TYPE_CHECKING:
+    from memprof.trace.model import AllocatorSettings
 
 
 def explain(
@@ -63,6 +56,16 @@ def explain(
     allocator's: **allocated** is what `torch.cuda.max_memory_allocated()` reports,
     **reserved** what `torch.cuda.max_memory_reserved()` reports.
     """
+    # here, not at the top: `memprof run` imports this module before the script starts
+    from memprof.analysis.explain import explain as analyse
+    from memprof.analysis.explain import merge_ranks
+    from memprof.report import console as console_report
+    from memprof.report.files import check_writable
+    from memprof.report.json import report_dict, write_json
+    from memprof.report.text import plain
+    from memprof.trace import load_snapshot
+    from memprof.trace.load import gc_paused
+
     is_dir = _is_dir(snapshot)
     stem = snapshot.resolve().name if is_dir else snapshot.stem
     json_path = output if output is not None else out_dir / f"{stem}.json"
@@ -134,6 +137,8 @@ def _snapshots(path: Path, is_dir: bool) -> list[tuple[int | None, Path]]:
 
 
 def _settings(conf: str, option: str, capped: bool) -> AllocatorSettings:
+    from memprof.analysis.settings import parse_alloc_conf, unmodelled
+
     try:
         settings = parse_alloc_conf(conf)
     except ValueError as exc:

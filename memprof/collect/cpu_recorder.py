@@ -17,6 +17,7 @@ files that define those modules' forward.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from memprof.collect.eager_compile import EagerCompile
@@ -62,6 +63,9 @@ class CpuRecorder:
         """Stop recording, remove the hooks and resolve the labels."""
         if not self._started or self._labels is not None:
             raise RuntimeError("stop() needs a recording CpuRecorder")
+        # What the script left in reference cycles is freed now, while recording, not
+        # whenever the collector next happens to run: survivors are what is still held.
+        gc.collect()
         try:
             self._compile.remove()
             self._scope.remove()

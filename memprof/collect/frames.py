@@ -4,17 +4,21 @@ Identical frames and identical stacks are returned as the same objects, so a pic
 trace stores each of them once.
 
     stacks = StackCapture()
+    stacks.pin(sys._getframe())  # optional: the frames around the recording
     frames = stacks.capture(sys._getframe())  # [{"name", "filename", "line"}, ...]
 """
 
 from __future__ import annotations
 
+import inspect
 from types import CodeType, FrameType
 from typing import TypeAlias
 
 Frame: TypeAlias = dict[str, str | int]
 # memprof's own wrappers around the script's calls (zero_grad): left out of every stack
 HIDDEN_CODES: set[CodeType] = set()
+# a generator's or coroutine's frame is called from wherever it is resumed
+_RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 class StackCapture:
@@ -25,15 +29,31 @@ class StackCapture:
         self._stacks: dict[tuple[int, ...], list[Frame]] = {}
         # Code objects behind cached ids stay alive so that their ids are never reused.
         self._codes: list[CodeType] = []
+        self._pinned: dict[int, FrameType] = {}
+
+    def pin(self, frame: FrameType | None) -> None:
+        """Note the frames from ``frame`` outwards (those around a recording), or forget
+        them (None). While a function's frame runs, the frames outside it stay as they
+        are, so a stack that reaches one of these is known from there on without walking."""
+        self._pinned = {}
+        while frame is not None:
+            if not frame.f_code.co_flags & _RESUMABLE:
+                self._pinned[id(frame)] = frame  # held: its id is never reused meanwhile
+            frame = frame.f_back
 
     def capture(self, frame: FrameType | None) -> list[Frame]:
         """Return the stack from `frame` outwards; the list is shared, do not mutate it."""
-        # Keyed by instruction offset: O(1), where a line number needs a table scan.
+        # Keyed by instruction offset: O(1), where a line number needs a table scan. A key
+        # that ends at a pinned frame has odd length: that frame's id stands for the rest.
         key: list[int] = []
+        pinned = self._pinned
         f = frame
         while f is not None:
             key.append(id(f.f_code))
             key.append(f.f_lasti)
+            if id(f) in pinned:
+                key.append(id(f))
+                break
             f = f.f_back
         stack_key = tuple(key)
         stack = self._stacks.get(stack_key)

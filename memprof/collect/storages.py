@@ -72,7 +72,17 @@ class _StorageRef(weakref.ref):
     __slots__ = ("event", "key")
 
 
-class _Probe(TorchDispatchMode):
+class _PlainMode(TorchDispatchMode):
+    """A dispatch mode whose ``__torch_dispatch__`` torch does not wrap in Dynamo's disable:
+    the wrapper costs a few microseconds per operator, and it only matters to Dynamo tracing
+    under the mode, which the recorders never do (``eager_compile.py``)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class _Probe(_PlainMode):
     """Finds the Python frames torch puts between an operator call and the mode."""
 
     def __init__(self, caller: FrameType) -> None:
@@ -121,7 +131,7 @@ def storages_behind(t: torch.Tensor) -> list[torch.UntypedStorage]:
         return []
 
 
-class StorageTracker(TorchDispatchMode):
+class StorageTracker(_PlainMode):
     """Dispatch mode that records alloc/free trace events for tensor storages.
 
     Storages that exist before the mode is entered are never recorded; storages still
@@ -156,6 +166,7 @@ class StorageTracker(TorchDispatchMode):
 
     def __enter__(self) -> StorageTracker:
         self._wrappers = _dispatch_wrapper_codes()
+        self._stacks.pin(sys._getframe(1))
         self._epoch_us = time.time_ns() // 1000
         self._origin_ns = time.perf_counter_ns()
         super().__enter__()
@@ -164,6 +175,7 @@ class StorageTracker(TorchDispatchMode):
 
     def __exit__(self, *exc: object) -> None:
         _RECORDING.discard(self)
+        self._stacks.pin(None)
         if self._forked:
             return  # a forked child's copy: it stopped recording at the fork
         if _get_current_dispatch_mode() is not self:
