@@ -50,10 +50,6 @@ class VirtualGpu:
         self._checkpoints = Checkpoints()
 
     def __enter__(self) -> VirtualGpu:
-        # Dynamo builds its tables of torch's functions once, on import (an optimizer's
-        # first call imports it): they must see torch.cuda's own functions, not the patches.
-        import torch._dynamo
-
         patches = cuda_api(self.card, self.recorder, self.history)
         patches[(torch, "compile")] = EagerCompile("virtual GPU")
         patches[(torch, "clear_autocast_cache")] = _clear_autocast_cache
