@@ -23,8 +23,15 @@ ADD = torch.ops.aten.add.Tensor
 _DENSE = torch.ops.aten.is_non_overlapping_and_dense.default
 # the original, not the virtual GPU's wrapper: the engine's C++ is called from this frame
 _ENGINE = torch.autograd.graph._engine_run_backward.__code__
-# a storage's use count with no tensor but one, and the Python storage object asked
-_UNSHARED = 2
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+# a storage's use count when one tensor holds it (the Python storage object asked counts
+# in some releases: 2 in torch 2.13, 1 in 2.6)
+_UNSHARED = _use_count(torch.empty(1, device="meta"))
 
 
 def accumulates_in_place(args: tuple, kwargs: dict, caller: FrameType | None) -> bool:
@@ -40,5 +47,4 @@ def accumulates_in_place(args: tuple, kwargs: dict, caller: FrameType | None) ->
     if old.shape != new.shape or old.dtype != new.dtype:
         return False
     elem = old.elem
-    return (_DENSE(elem)
-            and torch._C._storage_Use_Count(elem.untyped_storage()._cdata) == _UNSHARED)
+    return _DENSE(elem) and _use_count(elem) == _UNSHARED
