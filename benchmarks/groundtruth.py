@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/groundtruth.py CHECKOUT... [--only TEXT] [--timeout SECONDS]
-                                     [--memprof DIR] [--memory-limit GIB]
+                                     [--memprof DIR] [--memory-limit GIB] [--python PATH]...
     python benchmarks/groundtruth.py --self-check
 
 Each CHECKOUT is a folder named ``<owner>+<repo>@<commit>`` holding that repository at
@@ -21,6 +21,13 @@ prediction reproduces in order (the two sequences aligned by size), and, where t
 differ, the sizes whose counts differ most (in bytes) and the allocations only one of
 the two made (by the user's line).
 Needs ``einops``, ``einx`` and ``jaxtyping`` (pure Python).
+
+Backward's allocations depend on the torch release (its autograd formulas), so each run
+goes to the first ``--python`` interpreter that has the torch its GPU run used (2.6 or
+2.11) and a Python new enough for its script (Wedsonlin's needs 3.12); otherwise to the
+first new enough. Each interpreter needs memprof's dependencies and the three packages
+above, e.g. a venv with ``pip install torch==2.6.0 einops einx jaxtyping`` and
+``pip install -e .`` (on a machine without a GPU, a CUDA build of torch works as well).
 
 ``--self-check`` compares every ground-truth snapshot with itself (all errors must be 0)
 and with its neighbour of another size: a check of the comparison, without checkouts.
@@ -75,6 +82,7 @@ class Run:
     cwd: str = "."  # relative to the scratch folder
     log: str | None = None  # GROUNDTRUTH/logs file with the script's own output
     python: tuple[int, int] = (3, 10)  # the oldest Python that parses the script
+    torch: str = "2.11"  # the torch (major.minor) the GPU run used
 
     @property
     def label(self) -> str:
@@ -99,7 +107,7 @@ def _runs() -> list[Run]:
                 checkout=niu, script=f"cs336_systems/profile_memory/{script}",
                 args=("--mode", mode, "--context_length", length,
                       *(("--use_mixed_precision",) if mixed else ())),
-                pythonpath=(".",), dump=f"{kind}_memory_snapshot_{ctx}.pickle"))
+                pythonpath=(".",), dump=f"{kind}_memory_snapshot_{ctx}.pickle", torch="2.6"))
     for name, commit in (("xl_ctx128_forward_bf16", "eac34c7240"),
                          ("xl_ctx128_forward_none", "eac34c7240"),
                          ("xl_ctx512_forward_bf16", "fa2c3e60b7"),
@@ -262,13 +270,42 @@ class Outcome:
     printed: str = ""  # the peak the script printed, and its log's where there is one
     problem: str = ""
     seconds: float = 0.0
+    torch: str = ""  # the torch that ran the prediction
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """A Python that can run the scripts: its version and its torch's (major.minor)."""
+
+    path: str
+    python: tuple[int, int]
+    torch: str
+
+
+def probe(path: str) -> Interpreter:
+    """The versions of the interpreter at ``path``; exits if it cannot import torch."""
+    code = "import sys, torch; print(*sys.version_info[:2], torch.__version__)"
+    done = subprocess.run([path, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"groundtruth: {path} cannot run torch: {_reason(done.stderr)}")
+    major, minor, version = done.stdout.split()
+    return Interpreter(path, (int(major), int(minor)),
+                       ".".join(version.split("+")[0].split(".")[:2]))
+
+
+def choose(run: Run, interpreters: list[Interpreter]) -> Interpreter | None:
+    """The first interpreter new enough for ``run``'s script, one with the torch the GPU
+    run used when there is one."""
+    usable = [i for i in interpreters if i.python >= run.python]
+    same = [i for i in usable if i.torch == run.torch]
+    return (same or usable or [None])[0]
 
 
 _PRINTED = re.compile(r"Peak (?:allocated memory|memory allocated): ([0-9.]+) (GiB|MB)")
 
 
-def run_one(run: Run, checkout: Path, timeout: float, memprof: Path = ROOT,
-            memory_limit: int = 6 * GIB) -> Outcome:
+def run_one(run: Run, checkout: Path, timeout: float, interpreter: Interpreter | None,
+            memprof: Path = ROOT, memory_limit: int = 6 * GIB) -> Outcome:
     """Run ``run``'s script under the virtual GPU in a scratch folder and compare its dump.
 
     ``memprof`` is the source tree whose ``memprof run`` runs it; the run may map at most
@@ -276,17 +313,18 @@ def run_one(run: Run, checkout: Path, timeout: float, memprof: Path = ROOT,
     needs more is reported instead of exhausting the machine).
     """
     outcome = Outcome(run, recorded=measure(load_snapshot(GROUNDTRUTH / "snapshots" / run.fixture)))
-    if sys.version_info < run.python:
+    if interpreter is None:
         outcome.problem = (f"not run: the script needs Python {'.'.join(map(str, run.python))}"
-                           f" (this is {sys.version.split()[0]})")
+                           " (give one with --python)")
         return outcome
+    outcome.torch = interpreter.torch
     with tempfile.TemporaryDirectory(prefix="groundtruth-") as scratch:
         cwd = Path(scratch) / run.cwd
         cwd.mkdir(parents=True, exist_ok=True)
         (Path(scratch) / run.dump).parent.mkdir(parents=True, exist_ok=True)
         paths = [str(memprof), *(str(checkout / p) for p in run.pythonpath)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-        argv = [sys.executable, "-m", "memprof", "run", "--virtual-gpu", CARD,
+        argv = [interpreter.path, "-m", "memprof", "run", "--virtual-gpu", CARD,
                 "-o", str(Path(scratch) / "memprof"), "--force",
                 str(checkout / run.script), *run.args]
         start = time.perf_counter()
@@ -367,12 +405,12 @@ def rows(outcomes: list[Outcome]) -> list[list[str]]:
         recorded = o.recorded
         assert recorded is not None
         if o.comparison is None or o.predicted is None:
-            table.append([o.run.label, f"{recorded.allocated / MIB:,.1f}", "-", "-",
-                          f"{recorded.reserved / MIB:,.0f}", "-", "-", "-", "",
+            table.append([o.run.label, o.run.torch, "-", f"{recorded.allocated / MIB:,.1f}",
+                          "-", "-", f"{recorded.reserved / MIB:,.0f}", "-", "-", "-", "",
                           o.problem.replace("|", "/")])
             continue
         c, p = o.comparison, o.predicted
-        table.append([o.run.label, f"{recorded.allocated / MIB:,.1f}",
+        table.append([o.run.label, o.run.torch, o.torch, f"{recorded.allocated / MIB:,.1f}",
                       f"{p.allocated / MIB:,.1f}", f"{c.allocated_error:+.2f}%",
                       f"{recorded.reserved / MIB:,.0f}", f"{p.reserved / MIB:,.0f}",
                       f"{c.reserved_error:+.2f}%", f"{c.matched:.1f}%", o.printed,
@@ -380,8 +418,9 @@ def rows(outcomes: list[Outcome]) -> list[list[str]]:
     return table
 
 
-HEADER = ["run", "alloc MiB (GPU)", "alloc MiB (predicted)", "error", "reserved MiB (GPU)",
-          "reserved MiB (predicted)", "error", "GPU allocations matched", "script printed",
+HEADER = ["run", "torch (GPU)", "torch (predicted)", "alloc MiB (GPU)", "alloc MiB (predicted)",
+          "error", "reserved MiB (GPU)", "reserved MiB (predicted)", "error",
+          "GPU allocations matched", "script printed",
           "sizes whose counts differ"
           " (recorded -> predicted)"]
 
@@ -432,6 +471,10 @@ def main() -> int:
                         help="the memprof source tree to run (default: this one)")
     parser.add_argument("--memory-limit", type=float, default=6.0, metavar="GIB",
                         help="address space a run may map (default 6 GiB)")
+    parser.add_argument("--python", action="append", metavar="PATH",
+                        help="an interpreter to run the scripts with (repeatable; each run takes"
+                             " the first new enough for its script, with the torch its GPU run"
+                             " used where one has it; default: this one)")
     parser.add_argument("--self-check", action="store_true")
     args = parser.parse_args()
     if not (GROUNDTRUTH / "snapshots").is_dir():
@@ -444,16 +487,20 @@ def main() -> int:
     if not chosen:
         sys.exit("groundtruth: no run matches these checkouts; name them "
                  + ", ".join(sorted({r.checkout for r in RUNS})))
+    interpreters = [probe(path) for path in args.python or [sys.executable]]
     outcomes = []
     for run in chosen:
-        outcome = run_one(run, checkouts[run.checkout], args.timeout, args.memprof.resolve(),
+        outcome = run_one(run, checkouts[run.checkout], args.timeout,
+                          choose(run, interpreters), args.memprof.resolve(),
                           int(args.memory_limit * GIB))
         print(f"{run.label}: {outcome.problem or f'{outcome.seconds:.0f} s'}", file=sys.stderr)
         outcomes.append(outcome)
     missing = sorted({r.checkout for r in RUNS} - set(checkouts))
     notes = "\n\n".join(part for part in (
         f"Each script run unmodified under `memprof run --virtual-gpu '{CARD}'` (the"
-        " ground-truth cards are not recorded; none was a Hopper). Peaks as `memprof"
+        " ground-truth cards are not recorded; none was a Hopper), with the torch release"
+        " the GPU run used where one was given (`--python`): autograd's graph, and so the"
+        " allocations of backward, change between releases. Peaks as `memprof"
         " explain` computes them on the dumped and the recorded snapshot (the recorded"
         " window only). Targets: allocated 1% median / 3% worst, reserved 3% / 8%.",
         summary(outcomes), details(outcomes),
