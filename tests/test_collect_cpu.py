@@ -363,3 +363,19 @@ def test_hooks_are_gone_after_the_run() -> None:
     with CpuRecorder(), pytest.raises(RuntimeError, match="saved tensor hooks"):
         torch.func.grad(f)(x)
     torch.testing.assert_close(torch.func.grad(f)(x), 2 * x.cos())
+
+
+def test_batches_from_worker_processes_are_recorded_where_the_loop_takes_them() -> None:
+    # a worker's batch arrives through shared memory, made by no operator of this process;
+    # it is this process's memory all the same, as the batch num_workers=0 makes here is
+    data = torch.utils.data.TensorDataset(torch.ones(64, 32))
+    batches = {}
+    for workers in (0, 2):
+        with CpuRecorder() as recorder:
+            for _ in torch.utils.data.DataLoader(data, batch_size=16, num_workers=workers):
+                pass
+        batches[workers] = [e for e in _events(recorder.snapshot())
+                            if e["action"] == "alloc" and e["size"] == 16 * 32 * 4]
+    assert len(batches[0]) == len(batches[2]) == 4
+    here = sys._getframe().f_code.co_name
+    assert all(any(f["name"] == here for f in e["frames"]) for e in batches[2])

@@ -24,6 +24,7 @@ from memprof.collect.eager_compile import EagerCompile
 from memprof.collect.labels import LabelHooks
 from memprof.collect.module_scope import ModuleScope
 from memprof.collect.storages import StorageTracker
+from memprof.collect.worker_batches import WorkerBatches
 
 SNAPSHOT_VERSION = 1
 
@@ -39,6 +40,7 @@ class CpuRecorder:
         self._hooks = LabelHooks(self._tracker)
         self._scope = ModuleScope(self._tracker)
         self._compile = EagerCompile("CPU recorder")
+        self._workers = WorkerBatches(self._tracker)
         self._labels: list[list[Any]] | None = None
         self._tags: list[list[Any]] = []
         self._started = False
@@ -51,9 +53,11 @@ class CpuRecorder:
         self._hooks.install()
         self._scope.install()
         self._compile.install()
+        self._workers.install()
         try:
             self._tracker.__enter__()
         except BaseException:
+            self._workers.remove()
             self._compile.remove()
             self._scope.remove()
             self._hooks.remove()
@@ -67,6 +71,7 @@ class CpuRecorder:
         # whenever the collector next happens to run: survivors are what is still held.
         gc.collect()
         try:
+            self._workers.remove()
             self._compile.remove()
             self._scope.remove()
             self._hooks.remove()

@@ -199,6 +199,13 @@ class StorageTracker(_PlainMode):
             if ref is not None:
                 yield ref.event
 
+    def adopt_shared(self, st: torch.UntypedStorage, frame: FrameType | None) -> None:
+        """Record ``st``, a storage mapped from another process (a DataLoader worker's
+        batch, ``worker_batches.py``), as allocated now, where ``frame`` runs."""
+        key = st._cdata
+        if key not in self._live:
+            self._alloc(st, key, frame)
+
     def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
         frame = None
         inputs = None

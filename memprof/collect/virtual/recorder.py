@@ -82,6 +82,9 @@ class VirtualRecorder(StorageTracker):
             self._announce = None
         self._record(t, None, (), {})
 
+    def adopt_shared(self, st: torch.UntypedStorage, frame: FrameType | None) -> None:
+        """A worker's batch is host memory: not the card's."""
+
     def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
         virtual = [t for t in tensors_in(out) if type(t) is VirtualTensor]  # not host ones
         if not virtual:
