@@ -83,7 +83,17 @@ def run(target: Target) -> Outcome:
     finally:
         sys.argv = saved_argv
         sys.path[0] = saved_path0
+        _loaders_as_at_exit()
     return Outcome("completed", 0)
+
+
+def _loaders_as_at_exit() -> None:
+    """Tell the script's DataLoaders what Python's exit would: an iterator that memprof drops
+    later (persistent workers, a run stopped mid-epoch) leaves its worker processes to the
+    end of the process, which terminates them, instead of waiting on each to stop."""
+    utils = sys.modules.get("torch.utils.data._utils")
+    if utils is not None and hasattr(utils, "_set_python_exit_flag"):
+        utils._set_python_exit_flag()
 
 
 def _run_script(path: str) -> None:
