@@ -116,7 +116,8 @@ def _hooks_only(main: Callable[[list[str]], object], argv: list[str]
     tracker = StorageTracker()  # only for the trace: the labeller never asks it anything
     with HookLabeller(clock=sequence_clock(tracker.events)) as labeller, tracker:
         main(argv)
-    return tracker.events, labeller.labels(tracker.events, sequence_times(tracker.events))
+    trace = tracker.take_trace()
+    return trace, labeller.labels(trace, sequence_times(trace))
 
 
 def at_peak(trace: list[dict[str, Any]], labels: list[list[Any]]) -> Counter[str]:

@@ -32,13 +32,14 @@ class Layout:
 
 
 def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
-            device: int = 0) -> Layout:
+            device: int = 0, in_place: bool = False) -> Layout:
     """Place ``events`` (alloc/free_requested/free_completed, any ids as addresses).
 
     The trace gets predicted addresses and the growth events the allocator would
-    record; event keys other than ``addr`` are kept.
+    record; event keys other than ``addr`` are kept. ``in_place``: the trace holds the
+    given dicts, their addresses changed, rather than copies (a long trace is not held twice).
     """
-    placer = Placer(CachingAllocator(settings))
+    placer = Placer(CachingAllocator(settings), in_place)
     for event in events:
         placer.add(event)
     return placer.layout(device)
@@ -51,8 +52,9 @@ class Placer:
     placed under its limit; the event is then not placed.
     """
 
-    def __init__(self, alloc: CachingAllocator) -> None:
+    def __init__(self, alloc: CachingAllocator, in_place: bool = False) -> None:
         self.alloc = alloc
+        self.in_place = in_place
         self.trace: list[Event] = []
         self.position: list[int] = []
         self._blocks: dict[int, Block] = {}
@@ -76,16 +78,17 @@ class Placer:
                 self.position[-1] = len(out)
             self._blocks[event["addr"]] = block
             self._stacks[block.addr] = event.get("frames", [])
-            out.append({**event, "addr": block.addr})
+            out.append(self._placed(event, block.addr))
         elif action in ("free_requested", "free_completed"):
-            block = self._blocks.get(event["addr"])
+            recorded = event["addr"]
+            block = self._blocks.get(recorded)
             if block is None:
                 self.position.append(-1)
                 return
             self.position.append(len(out))
-            out.append({**event, "addr": block.addr})  # before a merge moves the block
+            out.append(self._placed(event, block.addr))  # before a merge moves the block
             if action == "free_completed":
-                del self._blocks[event["addr"]]
+                del self._blocks[recorded]
                 self._stacks.pop(block.addr, None)
                 alloc.free(block)
             elif block.allocated:
@@ -93,6 +96,12 @@ class Placer:
         else:
             self.position.append(len(out))
             out.append(event)
+
+    def _placed(self, event: Event, addr: int) -> Event:
+        if self.in_place:
+            event["addr"] = addr
+            return event
+        return {**event, "addr": addr}
 
     def forget(self, dropped: list[int]) -> None:
         """Drop the placed copies of the input events at ``dropped`` (ascending indices;

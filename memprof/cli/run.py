@@ -161,7 +161,6 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     from memprof.collect import session
     from memprof.report.console import NO_STEPS_RECORDED
     from memprof.report.json import report_dict, write_json
-    from memprof.report.plot import plot_timeline
     from memprof.report.run_folder import write_snapshot
     from memprof.report.run_summary import render_run
     from memprof.report.text import plain
@@ -195,6 +194,8 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         write_snapshot(recording.oom_snapshot, folder / names["oom-snapshot"])
     write_json(report_dict(findings, "run", facts), folder / names["report"])
     if findings.devices:
+        from memprof.report.plot import plot_timeline  # matplotlib: after the trace is written
+
         plot_timeline(findings, folder / names["timeline"], " ".join(facts["command"][2:]))
         if rank == 0:
             for d in findings.devices:

@@ -44,6 +44,7 @@ class CpuRecorder:
         self._labels: list[list[Any]] | None = None
         self._tags: list[list[Any]] = []
         self._started = False
+        self._taken = False
 
     def start(self) -> None:
         """Install the hooks and begin recording."""
@@ -88,12 +89,15 @@ class CpuRecorder:
         self.stop()
 
     def snapshot(self) -> dict[str, Any]:
-        """Return the recording in PyTorch's snapshot format (after `stop`)."""
-        if self._labels is None:
-            raise RuntimeError("snapshot() needs a stopped CpuRecorder")
+        """Return the recording in PyTorch's snapshot format (after `stop`; once: the
+        trace moves into it)."""
+        if self._labels is None or self._taken:
+            raise RuntimeError("snapshot() needs a stopped CpuRecorder, once")
+        self._taken = True
+        modules = self._modules()  # before the trace is taken: keyed by the events' identity
         return {
             "segments": [],
-            "device_traces": [list(self._tracker.events)],
+            "device_traces": [self._tracker.take_trace()],
             "allocator_settings": None,
             "external_annotations": [],
             "memprof": {
@@ -105,7 +109,7 @@ class CpuRecorder:
                 "steps": list(self._tracker.steps),
                 "dropped_events": self._tracker.dropped,
                 "model": self._hooks.model,
-                "modules": self._modules(),
+                "modules": modules,
                 "model_files": sorted(self._scope.files),
             },
         }
@@ -113,4 +117,4 @@ class CpuRecorder:
     def _modules(self) -> list[list[Any]]:
         paths = self._tracker.modules
         return [[i, paths[id(e)]] for i, e in enumerate(self._tracker.events)
-                if e["action"] == "alloc" and id(e) in paths]
+                if e.action == "alloc" and id(e) in paths]

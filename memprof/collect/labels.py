@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from memprof.collect.roles import RoleHooks
-from memprof.collect.storages import Event, StorageTracker
+from memprof.collect.storages import StorageTracker, TraceEvent
 from memprof.trace.model import (
     ACTIVATIONS,
     CATEGORIES,
@@ -36,19 +36,19 @@ class LabelHooks(RoleHooks):
         tracker.per_event += [self._marks, self._tags]  # trimmed with the ring buffer
         self._eval_tagged = False
 
-    def resolve(self, events: list[Event], survivors: list[Event]) -> list[list[Any]]:
+    def resolve(self, events: list[TraceEvent], survivors: list[TraceEvent]) -> list[list[Any]]:
         """Return `[event_index, category]` for every alloc event in `events`."""
         alive = {id(event) for event in survivors}
         labels: list[list[Any]] = []
         for index, event in enumerate(events):
-            if event["action"] == "alloc":
+            if event.action == "alloc":
                 key = id(event)
                 fallback = OTHER if key in alive else TEMPORARIES
                 known = self._tracker.known.get(key, fallback)
                 labels.append([index, self._marks.get(key, known)])
         return labels
 
-    def resolve_tags(self, events: list[Event]) -> list[list[Any]]:
+    def resolve_tags(self, events: list[TraceEvent]) -> list[list[Any]]:
         """Return `[event_index, tag]` for every alloc event in `events` labelled
         `activations` that has a tag (a parameter an eval forward saved has none)."""
         return [[index, self._tags[id(event)]] for index, event in enumerate(events)

@@ -87,8 +87,9 @@ def run_profiled(target: Target, profile_to: Path | None, steps: int | None,
 def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
                         layout: Layout | None = None) -> dict[str, Any]:
     """Place a GPU-less recording in CUDA memory as the caching allocator would
-    (or as ``layout``, placed while it ran, already has)."""
-    layout = layout or lay_out(snapshot["device_traces"][0], settings)
+    (or as ``layout``, placed while it ran, already has); the recording's trace events
+    are placed in place, so ``snapshot`` is the prediction's to keep."""
+    layout = layout or lay_out(snapshot["device_traces"][0], settings, in_place=True)
     meta = snapshot["memprof"]
     at = layout.position
     return {

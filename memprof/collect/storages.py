@@ -8,7 +8,11 @@ the storage itself) reports the free.
 
     with StorageTracker() as tracker:
         train()
-    tracker.events  # [{"action": "alloc", "addr", "size", "stream", "time_us", "frames"}, ...]
+    tracker.events  # [TraceEvent("alloc", addr, size, stream, time_us, frames), ...]
+    tracker.take_trace()  # the snapshot's dicts, in place: [{"action": "alloc", ...}, ...]
+
+Events are tuples while recording (a third of a dict's memory; a long run holds millions)
+and become the snapshot's dicts only when the trace is taken.
 
 With ``max_entries`` the trace is a ring buffer: when it grows past that many events, the
 oldest are dropped, except the alloc events of storages still allocated at the new first
@@ -26,7 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import (
@@ -36,10 +40,19 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
 )
 
-from memprof.collect.frames import StackCapture
+from memprof.collect.frames import Frame, StackCapture
 from memprof.collect.score_ops import FUSED_ATTENTION_OPS, SCORE_OPS, is_square
 
-Event = dict[str, Any]
+
+class TraceEvent(NamedTuple):
+    """One event of the trace, with the fields of a snapshot's trace entry, in its order."""
+
+    action: str
+    addr: int
+    size: int
+    stream: int
+    time_us: int
+    frames: list[Frame]
 
 # Addresses for storages without a usable data pointer (zero bytes, meta, fake, or a
 # pointer another live storage already reports): above every user-space pointer.
@@ -140,12 +153,12 @@ class StorageTracker(_PlainMode):
 
     def __init__(self, max_entries: int | None = None) -> None:
         super().__init__()
-        self.events: list[Event] = []
+        self.events: list[TraceEvent] = []
         self.max_entries = max_entries
         self.dropped = 0  # events the ring buffer dropped
         self.steps: list[int] = []  # len(events) at each optimizer step's end, kept current
         self._trim_at = None if max_entries is None else int(max_entries * (1 + _TRIM_SLACK))
-        self.survivors: list[Event] = []
+        self.survivors: list[TraceEvent] = []
         self.known: dict[int, str] = {}  # id(alloc event) -> category the tracker knows
         self.modules: dict[int, str] = {}  # id(alloc event) -> path of the module that made it
         self.scope: Callable[[], str | None] | None = None  # the module allocating now
@@ -192,7 +205,16 @@ class StorageTracker(_PlainMode):
         self._record(out, func, args, kwargs)
         return out
 
-    def alloc_events(self, t: torch.Tensor) -> Iterator[Event]:
+    def take_trace(self) -> list[dict[str, Any]]:
+        """The events as the snapshot's trace holds them (dicts, sharing their frames),
+        built in place: the tracker's events become dicts one at a time, so the trace is
+        never held twice; nothing keyed by an event's identity works after."""
+        events = self.events
+        for i, event in enumerate(events):
+            events[i] = event._asdict()  # type: ignore[call-overload]
+        return events
+
+    def alloc_events(self, t: torch.Tensor) -> Iterator[TraceEvent]:
         """Yield the alloc events of the live tracked storages behind `t`."""
         for st in storages_behind(t):
             ref = self._live.get(st._cdata)
@@ -214,7 +236,7 @@ class StorageTracker(_PlainMode):
                 key = st._cdata
                 ref = self._live.get(key)
                 if ref is not None:
-                    if ref.event["size"] == st.nbytes():
+                    if ref.event.size == st.nbytes():
                         continue
                     frame = frame or self._op_frame()
                     self._free(ref, frame)  # resized in place: a new block, like realloc
@@ -231,17 +253,17 @@ class StorageTracker(_PlainMode):
         """Drop the oldest events down to ``max_entries``, but for the alloc events of blocks
         not freed before the new first event; return the dropped indices, ascending."""
         cut = len(self.events) - self.max_entries  # type: ignore[operator]
-        if self.events[cut - 1]["action"] == "free_requested":
+        if self.events[cut - 1].action == "free_requested":
             cut -= 1  # a free's two events stay together
         head = self.events[:cut]
         pending: dict[int, int] = {}  # addr -> index of the alloc of a block not yet freed
         keep: set[int] = set()
         for i, event in enumerate(head):
-            action = event["action"]
+            action = event.action
             if action == "alloc":
-                pending[event["addr"]] = i
+                pending[event.addr] = i
             elif action == "free_completed":
-                pending.pop(event["addr"], None)
+                pending.pop(event.addr, None)
             elif action != "free_requested":
                 keep.add(i)  # an out-of-memory record: rare, and the report's subject
         keep.update(pending.values())
@@ -282,14 +304,8 @@ class StorageTracker(_PlainMode):
         return frame
 
     def _alloc(self, st: torch.UntypedStorage, key: int, frame: FrameType | None) -> None:
-        event = {
-            "action": "alloc",
-            "addr": self._address(st),
-            "size": st.nbytes(),
-            "stream": 0,
-            "time_us": self._now_us(),
-            "frames": self._stacks.capture(frame),
-        }
+        event = TraceEvent("alloc", self._address(st), st.nbytes(), 0, self._now_us(),
+                           self._stacks.capture(frame))
         if self.scope is not None and (path := self.scope()) is not None:
             self.modules[id(event)] = path
         ref = _StorageRef(st, self._on_free)
@@ -305,11 +321,12 @@ class StorageTracker(_PlainMode):
 
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
         del self._live[ref.key]
-        requested = {**ref.event, "action": "free_requested", "time_us": self._now_us()}
-        requested["frames"] = self._stacks.capture(frame)
-        completed = {**requested, "action": "free_completed"}
-        self.events.extend((requested, completed))  # one call: nothing lands between them
-        addr = requested["addr"]
+        alloc = ref.event
+        addr, size, stream = alloc.addr, alloc.size, alloc.stream
+        now, frames = self._now_us(), self._stacks.capture(frame)
+        self.events.extend((  # one call: nothing lands between them
+            TraceEvent("free_requested", addr, size, stream, now, frames),
+            TraceEvent("free_completed", addr, size, stream, now, frames)))
         self._addrs.discard(addr)
         if addr >= SYNTHETIC_BASE:
             self._spare.append(addr)

@@ -13,12 +13,32 @@ import numpy as np
 from memprof.analysis.findings import Findings
 from memprof.report.files import write_atomic
 
+# Points kept per panel: a few per pixel column of the 1,100-pixel-wide figure. A long
+# trace's millions of steps would cost matplotlib hundreds of MiB and draw the same pixels.
+_BUCKETS = 2048
+
 
 def _unit(peak: int) -> tuple[str, float]:
     for name, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if peak >= 1 << shift:
             return name, float(1 << shift)
     return "B", 1.0
+
+
+def _kept(allocated: np.ndarray, reserved: np.ndarray, peak: int) -> np.ndarray | slice:
+    """The points to draw: all of a short timeline; of a long one, each of ``_BUCKETS``
+    slices' first point and the highest and lowest allocated and reserved points in it
+    (a step plot through them has the full one's outline), the peak and the last."""
+    n = len(allocated)
+    if n <= 4 * _BUCKETS:
+        return slice(None)
+    width = -(-n // _BUCKETS)
+    starts = np.arange(0, n, width)
+    kept = [starts, np.array([peak, n - 1])]
+    for values in (allocated, reserved):
+        padded = np.pad(values, (0, width * len(starts) - n), mode="edge").reshape(-1, width)
+        kept += [starts + padded.argmax(axis=1), starts + padded.argmin(axis=1)]
+    return np.unique(np.concatenate(kept))
 
 
 def plot_timeline(findings: Findings, path: Path, title: str | None = None,
@@ -37,13 +57,17 @@ def plot_timeline(findings: Findings, path: Path, title: str | None = None,
         else:
             x = np.arange(-1, len(t.allocated) - 1)
             ax.set_xlabel("event")
-        ax.step(x, t.reserved / scale, where="post", label="reserved", color="black", linewidth=1)
-        if d.category_timeline is not None:
-            ax.stackplot(x, *(v / scale for v in d.category_timeline.values()), step="post",
-                         labels=[k.replace("_", " ") for k in d.category_timeline], alpha=0.8)
-        else:
-            ax.step(x, t.allocated / scale, where="post", label="allocated", color="tab:blue")
         peak = d.peak_event_index + 1
+        kept = _kept(t.allocated, t.reserved, peak)
+        ax.step(x[kept], t.reserved[kept] / scale, where="post", label="reserved",
+                color="black", linewidth=1)
+        if d.category_timeline is not None:
+            ax.stackplot(x[kept], *(v[kept] / scale for v in d.category_timeline.values()),
+                         step="post", labels=[k.replace("_", " ") for k in d.category_timeline],
+                         alpha=0.8)
+        else:
+            ax.step(x[kept], t.allocated[kept] / scale, where="post", label="allocated",
+                    color="tab:blue")
         ax.axvline(x[peak], color="tab:red", linestyle=":", linewidth=1)
         ax.annotate(f"peak {d.peak_allocated_bytes / scale:.2f} {unit}",
                     (x[peak], t.allocated[peak] / scale), textcoords="offset points",

@@ -70,5 +70,9 @@ def claim(folder: Path, names: dict[str, str], force: bool) -> None:
 
 def write_snapshot(snapshot: dict[str, Any], path: Path, overwrite: bool = False) -> None:
     """Pickle a snapshot as ``torch.cuda.memory._dump_snapshot`` does (plain containers only)."""
-    write_atomic(path, lambda tmp: tmp.write_bytes(pickle.dumps(snapshot, protocol=4)),
-                 overwrite)
+    write_atomic(path, lambda tmp: _dump(snapshot, tmp), overwrite)
+
+
+def _dump(snapshot: dict[str, Any], path: Path) -> None:
+    with path.open("wb") as f:  # streamed: a long trace's pickle is not held in memory
+        pickle.dump(snapshot, f, protocol=4)

@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 from types import FrameType
+from typing import NamedTuple
 
 import torch
 
@@ -19,7 +20,7 @@ from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.blocks import OutOfMemory
 from memprof.analysis.layout import Placer
 from memprof.collect.frames import Frame, StackCapture
-from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
+from memprof.collect.storages import StorageTracker, TraceEvent, _StorageRef, tensors_in
 from memprof.collect.virtual.accumulate import ADD, accumulates_in_place
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.tensor import VirtualTensor
@@ -34,6 +35,18 @@ class _UserStacks(StackCapture):
 
     def _build(self, frame: FrameType | None) -> list[Frame]:
         return [f for f in super()._build(frame) if not str(f["filename"]).startswith(_COLLECT)]
+
+
+class OomEvent(NamedTuple):
+    """The trace's record of an allocation the card refused, in a snapshot's field order."""
+
+    action: str
+    addr: int
+    size: int
+    stream: int
+    device_free: int
+    time_us: int
+    frames: list[Frame]
 
 
 class VirtualRecorder(StorageTracker):
@@ -132,12 +145,12 @@ class VirtualRecorder(StorageTracker):
         super()._alloc(st, key, frame)
         event = self.events[-1]
         try:
-            self.placer.add(event)
+            self.placer.add(event._asdict())
         except OutOfMemory as oom:
             self.events.pop()
             self.modules.pop(id(event), None)
             del self._live[key]
-            self._addrs.discard(event["addr"])
+            self._addrs.discard(event.addr)
             error = self._oom(oom, event)
         else:
             error = None
@@ -149,16 +162,15 @@ class VirtualRecorder(StorageTracker):
 
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
         super()._free(ref, frame)
-        self.placer.add(self.events[-2])
-        self.placer.add(self.events[-1])
+        self.placer.add(self.events[-2]._asdict())
+        self.placer.add(self.events[-1]._asdict())
 
-    def _oom(self, oom: OutOfMemory, event: dict) -> torch.OutOfMemoryError:
+    def _oom(self, oom: OutOfMemory, event: TraceEvent) -> torch.OutOfMemoryError:
         self.ooms += 1
         free = max(0, self.card.usable_bytes - oom.reserved)  # cudaMemGetInfo's free
-        record = {"action": "oom", "addr": 0, "size": oom.device_alloc, "stream": 0,
-                  "device_free": free, "time_us": event["time_us"], "frames": event["frames"]}
-        self.events.append(record)
-        self.placer.add(record)
+        record = OomEvent("oom", 0, oom.device_alloc, 0, free, event.time_us, event.frames)
+        self.events.append(record)  # type: ignore[arg-type]
+        self.placer.add(record._asdict())
         return torch.OutOfMemoryError(oom_message(self.card, oom, free, self.allowed))
 
 
