@@ -23,8 +23,17 @@ ADD = torch.ops.aten.add.Tensor
 _DENSE = torch.ops.aten.is_non_overlapping_and_dense.default
 # the original, not the virtual GPU's wrapper: the engine's C++ is called from this frame
 _ENGINE = torch.autograd.graph._engine_run_backward.__code__
-# a storage's use count with no tensor but one, and the Python storage object asked
-_UNSHARED = 2
+
+
+def _unshared_use_count() -> int:
+    """A storage's use count when one tensor holds it, as the Python storage object asked
+    reports it: 2 on torch 2.11+ (that object owns a reference), 1 on 2.6 (it borrows)."""
+    with torch._C.DisableTorchFunction():
+        lone = torch.empty(1, device="meta")
+    return torch._C._storage_Use_Count(lone.untyped_storage()._cdata)
+
+
+_UNSHARED = _unshared_use_count()
 
 
 def accumulates_in_place(args: tuple, kwargs: dict, caller: FrameType | None) -> bool:
