@@ -48,6 +48,11 @@ torch.cuda.manual_seed(0)
 rng = torch.cuda.get_rng_state()
 with torch.inference_mode():  # a view of a tensor made outside it is a normal tensor
     inference = [made[1:].is_inference(), torch.ones(2, device="cuda")[1:].is_inference()]
+with torch.cuda.device(0), torch.cuda.device_of(made):  # these swap the current device
+    swapped = [torch.cuda.current_device(), torch.ones(2, device="cuda").is_cuda]
+pinned_empty = torch.empty(4, pin_memory=True)
+stats = torch.cuda.memory_stats()
+summary = torch.cuda.memory_summary()
 print(json.dumps({
     "available": torch.cuda.is_available(), "count": torch.cuda.device_count(),
     "current": torch.cuda.current_device(), "name": torch.cuda.get_device_name(0),
@@ -60,6 +65,10 @@ print(json.dumps({
     "compiled": [list(compiled.shape), compiled.is_cuda, decorated.is_cuda],
     "inference": inference,
     "rng": [list(rng.shape), rng.device.type, torch.cuda.is_current_stream_capturing()],
+    "swapped": swapped, "pinned_empty": pinned_empty.device.type,
+    "stats": [stats["allocation.all.current"],
+              stats["allocated_bytes.all.allocated"] - stats["allocated_bytes.all.freed"]],
+    "summary": summary.splitlines()[1].split()[:3],
 }))
 """
 
@@ -436,7 +445,9 @@ def test_torch_cuda_answers_as_the_card(runs: dict[str, Future[Any]]) -> None:
         + block(3 * 16 * F32) + block(3 * 32 * F32) + block(8 * F32)
         + cublas_workspace_bytes(card),
         "compiled": [[3, 32], True, True], "inference": [False, True],
-        "rng": [[16], "cpu", False]}
+        "rng": [[16], "cpu", False], "swapped": [0, True], "pinned_empty": "cpu",
+        # the six tensors above and the workspace; what was allocated less what was freed
+        "stats": [7, seen["allocated"]], "summary": ["|", "PyTorch", "CUDA"]}
     assert result.stderr.count("hold no values") == 1
     assert result.stderr.count("torch.compile ran the model eagerly") == 1  # said once
 

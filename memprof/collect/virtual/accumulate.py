@@ -22,7 +22,8 @@ from memprof.collect.virtual.tensor import VirtualTensor
 ADD = torch.ops.aten.add.Tensor
 _DENSE = torch.ops.aten.is_non_overlapping_and_dense.default
 # the original, not the virtual GPU's wrapper: the engine's C++ is called from this frame
-_ENGINE = torch.autograd.graph._engine_run_backward.__code__
+# (torch 2.3+; before it, no accumulation is recognised)
+_ENGINE = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -37,7 +38,8 @@ _UNSHARED = _use_count(torch.empty(1, device="meta"))
 def accumulates_in_place(args: tuple, kwargs: dict, caller: FrameType | None) -> bool:
     """Whether ``aten.add(*args, **kwargs)``, called from ``caller``, is the engine summing
     two gradients that a real card sums in place."""
-    if kwargs or len(args) != 2 or caller is None or caller.f_code is not _ENGINE:
+    if (kwargs or len(args) != 2 or caller is None or _ENGINE is None
+            or caller.f_code is not _ENGINE):
         return False  # alpha given, or a Python backward's own add
     old, new = args
     if type(old) is not VirtualTensor or type(new) is not VirtualTensor or old is new:

@@ -84,8 +84,16 @@ class Event:
         return 0.0
 
 
+_FIGURES = ("current", "peak", "allocated", "freed")
+
+
 def _nothing(*args: object, **kwargs: object) -> None:
     return None
+
+
+def _exchange_device(device: int) -> int:
+    """The previous device: -1 (no change asked) stays -1, else the only device, 0."""
+    return -1 if device < 0 else 0
 
 
 @contextlib.contextmanager
@@ -101,17 +109,27 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
     stream = Stream()
 
     def stats(device: object = None) -> dict[str, int]:
-        current = {"allocated_bytes": alloc.allocated, "reserved_bytes": alloc.reserved,
-                   "active_bytes": alloc.allocated, "requested_bytes": alloc.requested}
-        peak = {"allocated_bytes": recorder.peak_allocated,
-                "reserved_bytes": recorder.peak_reserved,
-                "active_bytes": recorder.peak_allocated, "requested_bytes": alloc.requested}
+        """``memory_stats()``: every key ``memory_summary`` reads. The model keeps no
+        per-pool figures, split blocks or oversize counts: those read 0."""
+        made, freed = recorder.allocated_total, recorder.freed_total
+        live, peak_live = made[0] - freed[0], recorder.peak_blocks
+        rows = {  # metric: (current, peak, allocated, freed)
+            "allocated_bytes": (alloc.allocated, recorder.peak_allocated, made[1], freed[1]),
+            "active_bytes": (alloc.allocated, recorder.peak_allocated, made[1], freed[1]),
+            "requested_bytes": (alloc.requested, alloc.requested, 0, 0),
+            "reserved_bytes": (alloc.reserved, recorder.peak_reserved, 0, 0),
+            "allocation": (live, peak_live, made[0], freed[0]),
+            "active": (live, peak_live, made[0], freed[0]),
+            "segment": (len(alloc.segments), len(alloc.segments), 0, 0),
+            "inactive_split": (0, 0, 0, 0), "inactive_split_bytes": (0, 0, 0, 0)}
         out: dict[str, int] = OrderedDict()
-        for key in sorted(current):
+        for key in sorted(rows):
             for pool in ("all", "large_pool", "small_pool"):
-                out[f"{key}.{pool}.current"] = current[key] if pool == "all" else 0
-                out[f"{key}.{pool}.peak"] = peak[key] if pool == "all" else 0
-        out["segment.all.current"] = len(alloc.segments)
+                figures = rows[key] if pool == "all" else (0, 0, 0, 0)
+                for name, value in zip(_FIGURES, figures, strict=True):
+                    out[f"{key}.{pool}.{name}"] = value
+        for key in ("oversize_allocations", "oversize_segments"):
+            out.update((f"{key}.{name}", 0) for name in _FIGURES)
         out["num_ooms"] = recorder.ooms
         out["num_alloc_retries"] = 0
         return out
@@ -131,6 +149,8 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
         "device_count": lambda: 1,
         "current_device": lambda: 0,
         "set_device": _nothing,
+        # torch.cuda.device(i) and device_of(t) swap the current device through these
+        "_exchange_device": _exchange_device, "_maybe_exchange_device": _exchange_device,
         "is_initialized": lambda: True,
         "_lazy_init": _nothing,
         "init": _nothing,

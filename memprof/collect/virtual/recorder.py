@@ -63,6 +63,10 @@ class VirtualRecorder(StorageTracker):
         self.peak_allocated = 0
         self.peak_reserved = 0
         self.ooms = 0
+        # memory_stats' cumulative counters: [count, bytes] allocated and freed since the start
+        self.allocated_total = [0, 0]
+        self.freed_total = [0, 0]
+        self.peak_blocks = 0  # blocks allocated at once, at most
         self._workspaces = CublasWorkspaces(
             cublas_workspace_bytes(card, os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
         self._held: list[VirtualTensor] = []  # cuBLAS workspaces: never freed
@@ -82,6 +86,7 @@ class VirtualRecorder(StorageTracker):
         """``reset_peak_memory_stats()``: peaks restart from what is held now."""
         self.peak_allocated = self.allocator.allocated
         self.peak_reserved = self.allocator.reserved
+        self.peak_blocks = self.allocated_total[0] - self.freed_total[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is ADD and accumulates_in_place(args, kwargs or {}, self._caller()):
@@ -144,6 +149,8 @@ class VirtualRecorder(StorageTracker):
     def _alloc(self, st: torch.UntypedStorage, key: int, frame: FrameType | None) -> None:
         super()._alloc(st, key, frame)
         event = self.events[-1]
+        alloc = self.allocator
+        before = alloc.allocated
         try:
             self.placer.add(event._asdict())
         except OutOfMemory as oom:
@@ -156,14 +163,19 @@ class VirtualRecorder(StorageTracker):
             error = None
         if error is not None:
             raise error  # outside the handler: the script sees PyTorch's error alone
-        alloc = self.allocator
+        self.allocated_total[0] += 1
+        self.allocated_total[1] += alloc.allocated - before
+        self.peak_blocks = max(self.peak_blocks, self.allocated_total[0] - self.freed_total[0])
         self.peak_allocated = max(self.peak_allocated, alloc.allocated)
         self.peak_reserved = max(self.peak_reserved, alloc.reserved)
 
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
         super()._free(ref, frame)
+        before = self.allocator.allocated
         self.placer.add(self.events[-2]._asdict())
         self.placer.add(self.events[-1]._asdict())
+        self.freed_total[0] += 1
+        self.freed_total[1] += before - self.allocator.allocated
 
     def _oom(self, oom: OutOfMemory, event: TraceEvent) -> torch.OutOfMemoryError:
         self.ooms += 1

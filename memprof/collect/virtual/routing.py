@@ -49,6 +49,8 @@ class CudaRouting(TorchFunctionMode):
             return _to(args[0], args[1:], kwargs, func)
         if func is _SDPA:
             return sdpa(self.card, *args, **kwargs)
+        if kwargs.get("pin_memory"):  # pinning needs a driver: plain host memory, as
+            kwargs = {**kwargs, "pin_memory": False}  # the patched pin_memory() gives
         device = kwargs.get("device")
         if device is None and func in _FACTORIES:
             device = _default_device()  # set_default_device("cuda") adds it below this mode
