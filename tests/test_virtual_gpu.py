@@ -46,6 +46,10 @@ compiled = torch.compile(linear)(torch.ones(3, 16, device="cuda"))
 decorated = torch.compile(mode="max-autotune")(lambda t: t * 2)(made)
 torch.cuda.manual_seed(0)
 rng = torch.cuda.get_rng_state()
+tail = nn.Linear(4, 4).cuda()
+tail(torch.ones(1, 4, device="cuda"))  # memprof hooks its parameters here
+half = str(tail.half().weight.dtype)  # swaps tensor subclass parameters in place
+del tail
 with torch.inference_mode():  # a view of a tensor made outside it is a normal tensor
     inference = [made[1:].is_inference(), torch.ones(2, device="cuda")[1:].is_inference()]
 with torch.cuda.device(0), torch.cuda.device_of(made):  # these swap the current device
@@ -65,6 +69,7 @@ print(json.dumps({
     "compiled": [list(compiled.shape), compiled.is_cuda, decorated.is_cuda],
     "inference": inference,
     "rng": [list(rng.shape), rng.device.type, torch.cuda.is_current_stream_capturing()],
+    "half": half,
     "swapped": swapped, "pinned_empty": pinned_empty.device.type,
     "stats": [stats["allocation.all.current"],
               stats["allocated_bytes.all.allocated"] - stats["allocated_bytes.all.freed"]],
@@ -445,7 +450,8 @@ def test_torch_cuda_answers_as_the_card(runs: dict[str, Future[Any]]) -> None:
         + block(3 * 16 * F32) + block(3 * 32 * F32) + block(8 * F32)
         + cublas_workspace_bytes(card),
         "compiled": [[3, 32], True, True], "inference": [False, True],
-        "rng": [[16], "cpu", False], "swapped": [0, True], "pinned_empty": "cpu",
+        "rng": [[16], "cpu", False], "half": "torch.float16", "swapped": [0, True],
+        "pinned_empty": "cpu",
         # the six tensors above and the workspace; what was allocated less what was freed
         "stats": [7, seen["allocated"]], "summary": ["|", "PyTorch", "CUDA"]}
     assert result.stderr.count("hold no values") == 1

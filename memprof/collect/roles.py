@@ -22,7 +22,6 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
 from memprof.collect.forward_facts import ForwardFacts
 from memprof.collect.model_facts import model_facts
@@ -51,7 +50,9 @@ class RoleHooks:
         self._forward = ForwardFacts()
         self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._grad_hooks = WeakIdKeyDictionary()  # parameter -> RemovableHandle
+        # no reference to the parameters, weak ones included: Module._apply (model.half())
+        # swaps a tensor subclass's parameters in place, which a weak reference forbids
+        self._grad_hooks: list[RemovableHandle] = []
         self._handles: list[RemovableHandle] = []
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -85,7 +86,7 @@ class RoleHooks:
         finally:
             self._saved.__exit__()
             self._forward.remove()
-            for handle in [*self._handles, *self._grad_hooks.values()]:
+            for handle in [*self._handles, *self._grad_hooks]:
                 handle.remove()
             self._handles = []
             self._grad_hooks.clear()
@@ -117,8 +118,9 @@ class RoleHooks:
 
     def _watch_param(self, p: torch.Tensor) -> None:
         self._mark_param(p)
-        if p.requires_grad and p not in self._grad_hooks:
-            self._grad_hooks[p] = p.register_post_accumulate_grad_hook(self._on_grad)
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        if p.requires_grad and self._on_grad not in hooks.values():
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _mark_state(self, optimizer: torch.optim.Optimizer) -> None:
         for state in optimizer.state.values():
