@@ -285,7 +285,7 @@ def _fuse_frees(trace: DeviceTrace) -> tuple[np.ndarray, np.ndarray]:
     action, addr = trace.action, trace.addr
     both = np.flatnonzero((action[:-1] == _FREE_REQUESTED) & (action[1:] == _FREE_COMPLETED)
                           & (addr[:-1] == addr[1:]))
-    codes = action.astype(np.int64)
+    codes = action.copy()
     codes[both] = _FREE_BOTH
     keep = np.ones(len(action), bool)
     keep[both + 1] = False

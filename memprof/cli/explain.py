@@ -59,7 +59,6 @@ def explain(
     # here, not at the top: `memprof run` imports this module before the script starts
     from memprof.analysis.explain import explain as analyse
     from memprof.analysis.explain import merge_ranks
-    from memprof.report import console as console_report
     from memprof.report.files import check_writable
     from memprof.report.json import report_dict, write_json
     from memprof.report.text import plain
@@ -101,6 +100,8 @@ def explain(
 
         print(json_module.dumps(report_dict(findings), indent=2))
     else:
+        from memprof.report import console as console_report  # rich's tables: not for --json -o -
+
         console_report.render(findings, out)
     notes = Console(stderr=True, soft_wrap=True)
     if json and not to_stdout:
