@@ -85,7 +85,7 @@ def explain(
     per_rank = []
     # Loading and analysing make millions of objects and no cycles. One pause over both, and
     # the snapshot dropped inside it: resumed any earlier, the collector would traverse all
-    # of them (twice, as they age), which costs as much as the replay of a million events.
+    # of them, twice as they age (about 0.3 s CPU for a million events).
     with gc_paused():
         for rank, path in _snapshots(snapshot, is_dir):
             snap = load_snapshot(path)
