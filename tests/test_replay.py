@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from memprof.analysis.allocator import CachingAllocator
@@ -270,3 +272,32 @@ def test_an_allocation_inside_a_private_pools_segment_is_predicted_in_that_pool(
     trace = [_event("alloc", private + 2 * MIB, 2 * MIB)]
     d = explain(normalize({"segments": segments, "device_traces": [trace]})).devices[0]
     assert (d.replay.addresses_matched, d.replay.addresses_total) == (1, 1)
+
+
+@needs_fixtures
+def test_a_free_requested_and_completed_at_once_replays_as_two_events_apart():
+    raw = load_raw(fixture("MAGMA27"))
+    events = raw["device_traces"][0]
+    # a free of an address never allocated, then every request kept apart from its completion
+    # by an event the replay ignores
+    stray = [{"action": a, "addr": 1 << 50, "size": 512, "stream": 0}
+             for a in ("free_requested", "free_completed")]
+    fused = stray + events
+    apart, where = [], []
+    for e in fused:
+        if e["action"] == "free_completed":
+            apart.append({"action": "snapshot", "addr": 0, "size": 0, "stream": 0})
+        where.append(len(apart))
+        apart.append(e)
+    results = []
+    for trace in (fused, apart):
+        snapshot = normalize({**raw, "device_traces": [trace]})
+        results.append(replay(snapshot.traces[0], snapshot.segments_of(0), snapshot.settings))
+    one, two = results
+    assert sum(e["action"] == "free_completed" for e in events) > 1000
+    assert one.check == two.check and one.check.inconsistencies == 2
+    assert list(one.allocated) == list(two.allocated[where])
+    assert list(one.block_size) == list(two.block_size[where])
+    assert [where[i] if i < len(fused) else len(apart) for i in one.end] == list(two.end[where])
+    assert two.peak == replace(one.peak, index=where[one.peak.index])
+    assert two.final == replace(one.final, index=len(apart) - 1)

@@ -48,6 +48,7 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         self.limit = limit
         self._gc_clock = 0  # searches of the default large pool, the garbage collector's clock
         self.max_split = self.settings.max_split_size or (1 << 63) - 1
+        self._oversize = self.settings.max_split_size is not None  # blocks may be oversize
         self._any_divisions = any(d > 1 for d in self.settings.roundup_power2_divisions)
         self._expandable = self.settings.expandable_segments
         # free blocks per (pool id, small?, stream), as sorted keys (see KEY_SHIFT)
@@ -180,14 +181,40 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
                    and self._growable_size(keys[i + 1]) < self._growable_size(keys[i])):
                 i += 1
         key = keys[i]
-        size = key >> KEY_SHIFT
+        return self._blocks[key & ADDR_MASK] if self._may_take(key >> KEY_SHIFT, rounded) \
+            else None
+
+    def take_best_fit(self, at: int, requested: int, rounded: int, stream: int,
+                      pool: tuple[int, int]) -> Block | None:
+        """Allocate the block at ``at`` if best fit takes it, searching the free list once
+        (a replay's common case); else None, with nothing changed. For an allocator
+        without a memory limit."""
+        if self._expandable:
+            found = self.find_free(rounded, stream, pool)
+            return self.allocate_from(found, requested, rounded) \
+                if found is not None and found.addr == at else None
+        keys = self._free.get((pool, rounded <= SMALL_SIZE, stream))
+        if not keys:
+            return None
+        i = bisect_left(keys, rounded << KEY_SHIFT)
+        if i == len(keys):
+            return None
+        key = keys[i]
+        if key & ADDR_MASK != at:
+            return None
+        if self._oversize and not self._may_take(key >> KEY_SHIFT, rounded):
+            return None
+        del keys[i]
+        block = self._blocks[at]
+        self.cached_bytes -= block.size
+        return self._take_front(block, requested, rounded)
+
+    def _may_take(self, size: int, rounded: int) -> bool:
+        """Whether a free block of ``size`` bytes may serve ``rounded`` bytes (oversize rules)."""
         max_split = self.max_split
         if rounded < max_split:
-            if size >= max_split:
-                return None  # no oversize block for a request that would split it
-        elif size >= rounded + LARGE_BUFFER:
-            return None  # an oversize request takes an oversize block only if it is close
-        return self._blocks[key & ADDR_MASK]
+            return size < max_split  # no oversize block for a request that would split it
+        return size < rounded + LARGE_BUFFER  # an oversize request takes one only if close
 
     def malloc(self, requested: int, stream: int = 0, pool: tuple[int, int] = DEFAULT_POOL,
                at: int | None = None) -> Block:
@@ -231,11 +258,22 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
     def allocate_from(self, block: Block, requested: int, rounded: int) -> Block:
         """Allocate ``requested`` (rounded to ``rounded``) bytes from the free ``block``."""
         self._remove_free(block)
+        return self._take_front(block, requested, rounded)
+
+    def _take_front(self, block: Block, requested: int, rounded: int) -> Block:
+        """Hand out the front ``rounded`` bytes of ``block``, just taken off its free list."""
         remaining = block.size - rounded
         if (remaining >= MIN_BLOCK if block.seg.small or self._expandable
                 else rounded < self.max_split and remaining > SMALL_SIZE):  # should_split
             self._split(block, rounded)
-        return self._hand_out(block, requested)
+        size = block.size
+        block.cached = False
+        block.allocated = True
+        block.requested = requested
+        self.allocated += size
+        block.seg.group[2] += size
+        self.requested += requested
+        return block
 
     def occupy(self, addr: int, size: int, requested: int, counted: bool = True) -> Block:
         """Take ``[addr, addr + size)`` as found in a recording's state.
@@ -243,7 +281,7 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         ``counted=False`` is a block whose free was requested but not yet completed:
         not allocated any more, not reusable yet.
         """
-        block = self._hand_out(self._take(addr, size), requested)
+        block = self._take_front(self._take(addr, size), requested, size)
         if not counted:
             self.release_stats(block)
         return block
@@ -319,16 +357,6 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         self._index(rest)
         self._insert_free(rest)
         return rest
-
-    def _hand_out(self, block: Block, requested: int) -> Block:
-        size = block.size
-        block.cached = False
-        block.allocated = True
-        block.requested = requested
-        self.allocated += size
-        block.seg.group[2] += size
-        self.requested += requested
-        return block
 
     def _index(self, block: Block) -> None:
         self._blocks[block.addr] = block

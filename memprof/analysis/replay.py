@@ -95,6 +95,7 @@ _ALLOC, _FREE_REQUESTED, _FREE_COMPLETED = int(Action.ALLOC), int(Action.FREE_RE
 _SEGMENT_ALLOC, _SEGMENT_FREE = int(Action.SEGMENT_ALLOC), int(Action.SEGMENT_FREE)
 _SEGMENT_MAP, _SEGMENT_UNMAP, _OOM = int(Action.SEGMENT_MAP), int(Action.SEGMENT_UNMAP), \
     int(Action.OOM)
+_FREE_BOTH = -1  # a free_requested and its free_completed, replayed as one event
 _CHUNK = 1 << 16  # events converted to Python ints at a time, to bound memory
 
 
@@ -189,27 +190,28 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     reproduced = 0  # allocations where the simulator chose the recorded block, no growth
     peak_value, peak = alloc.allocated, capture(alloc, -1)
     ooms: list[Moment] = []
-    find_free, allocate_from = alloc.find_free, alloc.allocate_from
-    release_stats, free = alloc.release_stats, alloc.free
+    take, find_free, release_stats, free = alloc.take_best_fit, alloc.find_free, \
+        alloc.release_stats, alloc.free
+    alloc_code, requested_code = _ALLOC, _FREE_REQUESTED  # locals: the loop's hottest names
+    codes, kept = _fuse_frees(trace) if trace is not None else (None, np.zeros(0, np.int64))
 
-    for base in range(0, n, _CHUNK):
-        assert trace is not None
-        chunk = slice(base, base + _CHUNK)
-        sizes = trace.size[chunk]
-        columns = (trace.action[chunk].tolist(), trace.addr[chunk].tolist(), sizes.tolist(),
-                   trace.stream[chunk].tolist(), alloc.round_sizes(sizes))
-        for i, (action, addr, size, stream, rounded) in enumerate(zip(*columns, strict=True),
-                                                                  base):
-            if action == _ALLOC:
+    for base in range(0, len(kept), _CHUNK):
+        assert trace is not None and codes is not None
+        index = kept[base:base + _CHUNK]
+        sizes = trace.size[index]
+        columns = (index.tolist(), codes[index].tolist(), trace.addr[index].tolist(),
+                   sizes.tolist(), trace.stream[index].tolist(), alloc.round_sizes(sizes))
+        for i, action, addr, size, stream, rounded in zip(*columns, strict=True):
+            if action == alloc_code:
                 pool = _pool_of(alloc, pools, addr) if pools else DEFAULT_POOL
-                predicted = find_free(rounded, stream, pool)
-                if predicted is not None and predicted.addr == addr and not pending:
+                block: Block | None = None if pending else take(addr, size, rounded, stream,
+                                                                  pool)
+                if block is not None:
                     reproduced += 1
-                    block: Block | None = allocate_from(predicted, size, rounded)
                     taken = block.size
                 else:
                     block, taken = decisions.allocate(i, addr, size, stream, rounded, pool,
-                                                      predicted)
+                                                      find_free(rounded, stream, pool))
                     pending = decisions.pending
                 block_size[i] = delta_alloc[i] = taken
                 live[addr] = (block, i)
@@ -219,11 +221,10 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
             if pending and action != _SEGMENT_ALLOC and action != _SEGMENT_MAP:
                 decisions.flush()  # growth no allocation followed
                 pending = decisions.pending
-            if action in (_FREE_REQUESTED, _FREE_COMPLETED):
-                completed = action == _FREE_COMPLETED
-                entry = live.pop(addr, None) if completed else live.get(addr)
+            if action <= _FREE_COMPLETED:  # a free requested, completed, or both at once
+                entry = live.get(addr) if action == requested_code else live.pop(addr, None)
                 if entry is None:
-                    check.inconsistencies += 1
+                    check.inconsistencies += 2 if action == _FREE_BOTH else 1
                     continue
                 block, start = entry
                 if block is None or block.allocated:
@@ -231,13 +232,13 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                     delta_alloc[i] = -taken
                     if block is None:
                         alloc.allocated -= taken
-                    else:
-                        release_stats(block)
+                    elif action == requested_code:
+                        release_stats(block)  # else free() does it
                     if start >= 0:
                         end[start] = i
                     else:
                         initial_by_addr[addr].end = i
-                if completed and block is not None:
+                if action != requested_code and block is not None:
                     free(block)
             elif action in (_SEGMENT_ALLOC, _SEGMENT_MAP):
                 delta_res[i] = size
@@ -273,6 +274,22 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         check=check,
         final=capture(alloc, n - 1),
     )
+
+
+def _fuse_frees(trace: DeviceTrace) -> tuple[np.ndarray, np.ndarray]:
+    """The events to replay: their action codes, and their indices into ``trace``.
+
+    A free_requested directly followed by its free_completed (the common case: no other
+    stream used the block) becomes one event, ``_FREE_BOTH`` at the request's index.
+    """
+    action, addr = trace.action, trace.addr
+    both = np.flatnonzero((action[:-1] == _FREE_REQUESTED) & (action[1:] == _FREE_COMPLETED)
+                          & (addr[:-1] == addr[1:]))
+    codes = action.copy()
+    codes[both] = _FREE_BOTH
+    keep = np.ones(len(action), bool)
+    keep[both + 1] = False
+    return codes, np.flatnonzero(keep)
 
 
 def _pool_of(alloc: CachingAllocator, pools: dict[int, tuple[int, int]], addr: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -48,3 +49,20 @@ def main() -> None:
     except MemprofError as exc:
         print(f"memprof: error: {visible(exc.message)}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except SystemExit as exc:
+        if sys.argv[1:2] == ["explain"] and (exc.code is None or isinstance(exc.code, int)):
+            _exit_now(exc.code or 0)
+        raise
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown, which frees every module's objects (about
+    0.1 s, a tenth of loading a million-event snapshot). Only for ``explain``, which has
+    nothing left to do but flush its output; never for ``run``, whose script's exit
+    handlers must run."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe or stream: the usual exit reports it
+        return
+    os._exit(code)

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
-from memprof.collect.launch import Target
 from memprof.errors import MemprofError
 
 # Default ring buffers: the GPU's allocator history keeps its events in C++; memprof's own
@@ -23,6 +22,7 @@ DEFAULT_MAX_ENTRIES = 1_000_000
 
 if TYPE_CHECKING:
     from memprof.analysis.findings import Findings
+    from memprof.collect.launch import Target
     from memprof.collect.session import Recording
     from memprof.collect.virtual.cards import Card
 
@@ -85,6 +85,8 @@ def run(
     args = list(script or [])
     if module is None and not args:
         raise MemprofError("nothing to run: give a script (memprof run train.py) or -m MODULE")
+    from memprof.collect.launch import Target  # here: other commands need none of it
+
     target = Target(module, tuple(args), True) if module else Target(args[0], tuple(args[1:]),
                                                                      False)
     target.check()  # before the slow imports: a typo gets its answer at once
