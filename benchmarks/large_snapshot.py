@@ -15,6 +15,7 @@ from pathlib import Path
 from load_snapshot import Refuse
 
 from memprof.analysis.layout import lay_out
+from memprof.trace.events import TraceEvent, as_snapshot_events
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT.parent / "shared" / "fixtures" / "snapshots" / \
@@ -42,7 +43,7 @@ def build(path: Path, events: int = 1_000_000, source: Path = FIXTURE) -> Path:
     raw = Refuse(source.open("rb")).load()
     step = [e for e in raw["device_traces"][0]
             if e["action"] in ("alloc", "free_requested", "free_completed")]
-    program: list[dict] = []
+    program: list[TraceEvent] = []
     repeat, time_us = 0, 1_700_000_000_000_000
     while len(program) < events:
         live: dict[int, dict] = {}
@@ -53,17 +54,16 @@ def build(path: Path, events: int = 1_000_000, source: Path = FIXTURE) -> Path:
             elif e["addr"] not in live:
                 continue  # freed before the recorded step began
             time_us += 3
-            program.append({"action": e["action"], "addr": ident, "size": e["size"],
-                            "stream": 0, "time_us": time_us, "frames": list(e.get("frames", []))})
+            program.append(TraceEvent(e["action"], ident, e["size"], 0, time_us,
+                                      list(e.get("frames", []))))
             if e["action"] == "free_completed":
                 del live[e["addr"]]
         for addr, e in live.items():  # the step's survivors die before the next step
             for action in ("free_requested", "free_completed"):
-                program.append({"action": action, "addr": (repeat, addr), "size": e["size"],
-                                "stream": 0, "time_us": time_us, "frames": []})
+                program.append(TraceEvent(action, (repeat, addr), e["size"], 0, time_us, []))
         repeat += 1
-    layout = lay_out(program)
-    snapshot = {"segments": layout.segments, "device_traces": [layout.trace],
+    layout = lay_out(program, consume=True)
+    snapshot = {"segments": layout.segments, "device_traces": [as_snapshot_events(layout.trace)],
                 "allocator_settings": raw.get("allocator_settings"), "external_annotations": []}
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as f:

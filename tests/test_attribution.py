@@ -24,6 +24,7 @@ from memprof.analysis.explain import explain
 from memprof.collect.cpu_recorder import CpuRecorder
 from memprof.report.json import report_dict
 from memprof.trace import load_snapshot
+from memprof.trace.events import as_snapshot_events
 from tests.conftest import fixture
 
 SIZES = {"width": 24, "hidden": 72, "blocks": 2, "seq": 12, "batch": 10}
@@ -142,7 +143,7 @@ def test_backward_allocations_belong_to_the_module_whose_backward_made_them() ->
         model(x).sum().backward()
         after = torch.zeros(7)  # outside every module, after the backward
     snapshot = recorder.snapshot()
-    events = snapshot["device_traces"][0]
+    events = as_snapshot_events(snapshot["device_traces"][0])
     labels = dict(snapshot["memprof"]["labels"])
     modules = dict(snapshot["memprof"]["modules"])
     gradients = sorted((events[i]["size"], modules.get(i)) for i, c in labels.items()

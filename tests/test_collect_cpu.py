@@ -20,6 +20,8 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import memprof
 from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.trace.dump import dump_snapshot
+from memprof.trace.events import as_snapshot_events
 from memprof.trace.model import CATEGORIES
 
 SCRIPT = Path(__file__).resolve().parents[1] / "sample_scripts" / "mlp_adam.py"
@@ -48,7 +50,7 @@ def run() -> tuple[dict[str, Any], nn.Sequential, torch.optim.Optimizer]:
 
 
 def _events(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
-    return snapshot["device_traces"][0]
+    return as_snapshot_events(snapshot["device_traces"][0])
 
 
 def _live_by_category(snapshot: dict[str, Any]) -> list[Counter[str]]:
@@ -199,10 +201,20 @@ class _NoClasses(pickle.Unpickler):
         raise pickle.UnpicklingError(f"class reference {module}.{name}")
 
 
-def test_snapshot_pickles_without_class_references(run) -> None:
+def test_snapshot_is_written_without_class_references(run) -> None:
     snapshot, _, _ = run
-    loaded = _NoClasses(io.BytesIO(pickle.dumps(snapshot))).load()
-    assert loaded == snapshot
+    f = io.BytesIO()
+    dump_snapshot(snapshot, f)
+    loaded = _NoClasses(io.BytesIO(f.getvalue())).load()
+    trace = loaded["device_traces"][0]
+    assert trace == as_snapshot_events(snapshot["device_traces"][0])
+    assert {k: v for k, v in loaded.items() if k not in ("device_traces", "memprof")} == {
+        k: v for k, v in snapshot.items() if k not in ("device_traces", "memprof")}
+    stacks = loaded["memprof"].pop("stacks")
+    assert loaded["memprof"] == snapshot["memprof"]
+    # each stack is written once and shared by its events, as in PyTorch's own dumps
+    assert {id(e["frames"]) for e in trace} == {id(s) for s in stacks}
+    assert len(stacks) < len(trace) / 10
 
 
 def _record(fn: Callable[[], object]) -> dict[str, Any]:

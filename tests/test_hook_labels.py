@@ -28,6 +28,7 @@ from memprof.collect.hook_labels import (
 )
 from memprof.collect.labeller import HookLabeller
 from memprof.collect.storages import StorageTracker
+from memprof.trace.events import as_snapshot_events
 
 
 def _alloc(addr: int, size: int, t: int) -> dict[str, Any]:
@@ -108,7 +109,7 @@ def _exact(main: Callable[[list[str]], object], argv: list[str]
     with CpuRecorder() as recorder:
         main(argv)
     snapshot = recorder.snapshot()
-    return snapshot["device_traces"][0], snapshot["memprof"]
+    return as_snapshot_events(snapshot["device_traces"][0]), snapshot["memprof"]
 
 
 def _hooks_only(main: Callable[[list[str]], object], argv: list[str]
@@ -116,7 +117,7 @@ def _hooks_only(main: Callable[[list[str]], object], argv: list[str]
     tracker = StorageTracker()  # only for the trace: the labeller never asks it anything
     with HookLabeller(clock=sequence_clock(tracker.events)) as labeller, tracker:
         main(argv)
-    trace = tracker.take_trace()
+    trace = as_snapshot_events(tracker.take_trace())
     return trace, labeller.labels(trace, sequence_times(trace))
 
 

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from memprof.analysis.explain import explain
 from memprof.analysis.layout import lay_out
+from memprof.trace.events import TraceEvent, as_snapshot_events
 from memprof.trace.normalize import normalize
 
 MIB = 1 << 20
 
 
-def _events(program: list[tuple[str, int, int]]) -> list[dict]:
+def _events(program: list[tuple[str, int, int]]) -> list[TraceEvent]:
     out = []
     for op, ident, size in program:
         actions = ("alloc",) if op == "alloc" else ("free_requested", "free_completed")
-        out += [{"action": a, "addr": ident, "size": size, "stream": 0} for a in actions]
+        out += [TraceEvent(a, ident, size, 0, 0, []) for a in actions]
     return out
 
 
@@ -21,7 +22,7 @@ def test_frees_keep_their_address_when_blocks_merge():
     program = [("alloc", 1, 1000), ("alloc", 2, 1000), ("alloc", 3, 30 * MIB),
                ("free", 1, 1000), ("free", 2, 1000), ("alloc", 4, 1500)]
     layout = lay_out(_events(program))
-    trace, segments = layout.trace, layout.segments
+    trace, segments = as_snapshot_events(layout.trace), layout.segments
     allocs = {e["addr"] for e in trace if e["action"] == "alloc"}
     freed = [e["addr"] for e in trace if e["action"] == "free_completed"]
     assert len(freed) == 2 and set(freed) <= allocs and freed[0] != freed[1]

@@ -16,6 +16,7 @@ import torch
 
 from memprof.collect.cpu_recorder import CpuRecorder
 from memprof.collect.storages import StorageTracker
+from memprof.trace.events import as_snapshot_events
 from tests.test_run_cli import F32, block, memprof_run, report
 
 # ~7,000 events: churn of temporaries, then a step whose batch (so peak) grows each time
@@ -86,7 +87,7 @@ def test_tracker_keeps_live_allocations_and_their_labels() -> None:
             x + 1
         del x
     snapshot = recorder.snapshot()
-    events = snapshot["device_traces"][0]
+    events = as_snapshot_events(snapshot["device_traces"][0])
     # trimmed before an operator once a quarter past its last trim; an op adds a few events
     assert len(events) <= (100 + len(kept)) * 1.25 + 10
     # each iteration: two allocs and, but for the kept ones, their two free events each

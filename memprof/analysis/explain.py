@@ -167,14 +167,19 @@ def _timelines(table: Intervals, labels: dict[int, str], names: Sequence[str], n
                ) -> dict[str, np.ndarray]:
     """Allocated bytes of each of ``names`` after each event (the state before the first
     included), from exact labels or tags."""
-    of = np.array([labels.get(e, OTHER) if e >= 0 else OTHER for e in table.event.tolist()])
+    code = {name: i for i, name in enumerate(names)}
+    of = np.fromiter((code.get(labels.get(e, OTHER), -1) if e >= 0 else code.get(OTHER, -1)
+                      for e in table.event.tolist()), np.int16, len(table.event))
     out = {}
-    for name in names:
-        mine = of == name
+    for i, name in enumerate(names):
+        mine = of == i
+        if not mine.any():  # zeros from calloc: no memory until written
+            out[name] = np.zeros(n + 1, np.int64)
+            continue
         delta = np.zeros(n + 2, np.int64)
         np.add.at(delta, table.start[mine] + 1, table.size[mine])
         np.add.at(delta, table.end[mine] + 1, -table.size[mine])
-        out[name] = np.cumsum(delta)[: n + 1]
+        out[name] = np.cumsum(delta[: n + 1], out=delta[: n + 1])
     return out
 
 

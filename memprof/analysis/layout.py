@@ -11,15 +11,17 @@ memory viewer read it like a snapshot recorded on a GPU.
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.blocks import Block, Segment
+from memprof.trace.events import OomEvent, TraceEvent
 from memprof.trace.model import AllocatorSettings
 
-Event = dict[str, Any]
+Event = TraceEvent | OomEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,20 +30,25 @@ class Layout:
 
     trace: list[Event]
     segments: list[dict[str, Any]]
-    position: list[int]  # where each input event landed in ``trace`` (-1: dropped)
+    position: array[int]  # where each input event landed in ``trace`` (-1: dropped)
 
 
 def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
-            device: int = 0, in_place: bool = False) -> Layout:
+            device: int = 0, consume: bool = False) -> Layout:
     """Place ``events`` (alloc/free_requested/free_completed, any ids as addresses).
 
     The trace gets predicted addresses and the growth events the allocator would
-    record; event keys other than ``addr`` are kept. ``in_place``: the trace holds the
-    given dicts, their addresses changed, rather than copies (a long trace is not held twice).
+    record; event fields other than ``addr`` are kept. ``consume``: ``events`` is a list
+    emptied as it is placed, so a long trace is never held twice.
     """
-    placer = Placer(CachingAllocator(settings), in_place)
-    for event in events:
-        placer.add(event)
+    placer = Placer(CachingAllocator(settings))
+    if consume and isinstance(events, list):
+        events.reverse()
+        while events:
+            placer.add(events.pop())
+    else:
+        for event in events:
+            placer.add(event)
     return placer.layout(device)
 
 
@@ -52,41 +59,40 @@ class Placer:
     placed under its limit; the event is then not placed.
     """
 
-    def __init__(self, alloc: CachingAllocator, in_place: bool = False) -> None:
+    def __init__(self, alloc: CachingAllocator) -> None:
         self.alloc = alloc
-        self.in_place = in_place
         self.trace: list[Event] = []
-        self.position: list[int] = []
+        self.position: array[int] = array("q")  # 8 bytes an event, not an int object
         self._blocks: dict[int, Block] = {}
         self._stacks: dict[int, list] = {}  # alloc stacks of live blocks, by predicted address
 
     def add(self, event: Event) -> None:
         """Place one event of the input trace."""
         alloc, out = self.alloc, self.trace
-        action = event["action"]
+        action = event.action
         if action == "alloc":
             reserved = alloc.reserved
             before = dict(alloc.segments)
             totals = {addr: seg.total for addr, seg in before.items()}
             try:
-                block = alloc.malloc(event["size"], event.get("stream", 0))
+                block = alloc.malloc(event.size, event.stream)
             finally:  # under a limit, cached segments go back to the device first
-                self._released(before, event.get("time_us", 0))
+                self._released(before, event.time_us)
             self.position.append(len(out))
             if alloc.reserved != reserved:
                 out.extend(_growth(alloc, totals, event))
                 self.position[-1] = len(out)
-            self._blocks[event["addr"]] = block
-            self._stacks[block.addr] = event.get("frames", [])
-            out.append(self._placed(event, block.addr))
+            self._blocks[event.addr] = block
+            self._stacks[block.addr] = event.frames
+            out.append(event._replace(addr=block.addr))
         elif action in ("free_requested", "free_completed"):
-            recorded = event["addr"]
+            recorded = event.addr
             block = self._blocks.get(recorded)
             if block is None:
                 self.position.append(-1)
                 return
             self.position.append(len(out))
-            out.append(self._placed(event, block.addr))  # before a merge moves the block
+            out.append(event._replace(addr=block.addr))  # before a merge moves the block
             if action == "free_completed":
                 del self._blocks[recorded]
                 self._stacks.pop(block.addr, None)
@@ -97,12 +103,6 @@ class Placer:
             self.position.append(len(out))
             out.append(event)
 
-    def _placed(self, event: Event, addr: int) -> Event:
-        if self.in_place:
-            event["addr"] = addr
-            return event
-        return {**event, "addr": addr}
-
     def forget(self, dropped: list[int]) -> None:
         """Drop the placed copies of the input events at ``dropped`` (ascending indices;
         a ring buffer's oldest events), keeping the segment events; later positions shift."""
@@ -110,8 +110,9 @@ class Placer:
         gone = sorted(gone_set)
         self.trace = [e for j, e in enumerate(self.trace) if j not in gone_set]
         dropped_set = set(dropped)
-        self.position = [p - bisect.bisect_left(gone, p) if p >= 0 else -1
-                         for i, p in enumerate(self.position) if i not in dropped_set]
+        self.position = array("q", (p - bisect.bisect_left(gone, p) if p >= 0 else -1
+                                    for i, p in enumerate(self.position)
+                                    if i not in dropped_set))
 
     def release_cached(self, time_us: int) -> None:
         """``empty_cache()``: return cached segments to the device, with their trace events."""
@@ -124,13 +125,12 @@ class Placer:
         for addr, seg in before.items():
             if addr not in self.alloc.segments:
                 action = "segment_unmap" if seg.expandable else "segment_free"
-                self.trace.append({"action": action, "addr": addr, "size": seg.total,
-                                   "stream": seg.stream, "time_us": time_us, "frames": []})
+                self.trace.append(TraceEvent(action, addr, seg.total, seg.stream, time_us, []))
 
     def layout(self, device: int = 0) -> Layout:
         """The trace so far and the allocator's segments now."""
         return Layout(list(self.trace), snapshot_segments(self.alloc, device, self._stacks),
-                      list(self.position))
+                      array("q", self.position))
 
 
 def _growth(alloc: CachingAllocator, before: dict[int, int], event: Event) -> list[Event]:
@@ -141,9 +141,7 @@ def _growth(alloc: CachingAllocator, before: dict[int, int], event: Event) -> li
         if added > 0:
             action = "segment_map" if seg.expandable else "segment_alloc"
             addr = seg.addr + before.get(seg.addr, 0) if seg.expandable else seg.addr
-            grown.append({"action": action, "addr": addr, "size": added,
-                          "stream": seg.stream, "time_us": event.get("time_us", 0),
-                          "frames": event.get("frames", [])})
+            grown.append(TraceEvent(action, addr, added, seg.stream, event.time_us, event.frames))
     return grown
 
 

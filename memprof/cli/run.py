@@ -161,6 +161,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
 
     from memprof.analysis.explain import explain
     from memprof.collect import session
+    from memprof.heap import trim
     from memprof.report.console import NO_STEPS_RECORDED
     from memprof.report.json import report_dict, write_json
     from memprof.report.run_folder import write_snapshot
@@ -170,7 +171,16 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
 
     rank, world = session.rank()
     notes = Console(stderr=True, soft_wrap=True)
-    findings = explain(normalize(recording.snapshot), str(folder / names["snapshot"]), top=top)
+    write_snapshot(recording.snapshot, folder / names["snapshot"])
+    if recording.oom_snapshot is not None:
+        write_snapshot(recording.oom_snapshot, folder / names["oom-snapshot"])
+    snapshot = normalize(recording.snapshot)
+    meta = recording.snapshot["memprof"]
+    recording.snapshot = {}  # the trace, written and normalised: its memory is the analysis's
+    trim()
+    findings = explain(snapshot, str(folder / names["snapshot"]), top=top)
+    del snapshot
+    trim()  # and the analysis's scratch memory, before matplotlib is loaded
     outcome = recording.outcome
     facts = {
         "command": ["memprof", "run", *(["-m"] if target.module else []), target.name,
@@ -183,17 +193,14 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         "duration_s": round(recording.seconds, 3),
         "exit": {"status": outcome.status, "code": outcome.exit_code, "error": outcome.error},
         "stopped_by": outcome.stopped_by,
-        "optimizer_steps": len(recording.snapshot["memprof"]["steps"]),
-        "no_steps_reason": None if recording.snapshot["memprof"]["steps"] else NO_STEPS_RECORDED,
+        "optimizer_steps": len(meta["steps"]),
+        "no_steps_reason": None if meta["steps"] else NO_STEPS_RECORDED,
         "rank": rank,
         "world_size": world,
         "cuda": recording.facts or None,
-        "model": recording.snapshot["memprof"].get("model") or None,
+        "model": meta.get("model") or None,
         **({"virtual_gpu": recording.virtual_gpu} if recording.virtual_gpu else {}),
     }
-    write_snapshot(recording.snapshot, folder / names["snapshot"])
-    if recording.oom_snapshot is not None:
-        write_snapshot(recording.oom_snapshot, folder / names["oom-snapshot"])
     write_json(report_dict(findings, "run", facts), folder / names["report"])
     if findings.devices:
         from memprof.report.plot import plot_timeline  # matplotlib: after the trace is written

@@ -2,7 +2,7 @@
 
     with CpuRecorder() as recorder:
         runpy.run_path("train.py", run_name="__main__")
-    snapshot = recorder.snapshot()  # the dict torch.cuda.memory._snapshot() returns
+    snapshot = recorder.snapshot()  # as torch.cuda.memory._snapshot() returns it
 
 The snapshot has one device trace and no segments (there is no caching allocator on
 this path). Its `memprof` entry holds `labels`, `[alloc_event_index, category]` for
@@ -89,12 +89,15 @@ class CpuRecorder:
         self.stop()
 
     def snapshot(self) -> dict[str, Any]:
-        """Return the recording in PyTorch's snapshot format (after `stop`; once: the
-        trace moves into it)."""
+        """Return the recording in PyTorch's snapshot format, its trace events as tuples
+        (``memprof.trace.events``; ``dump_snapshot`` writes them as dicts). After `stop`;
+        once: the trace moves into it."""
         if self._labels is None or self._taken:
             raise RuntimeError("snapshot() needs a stopped CpuRecorder, once")
         self._taken = True
         modules = self._modules()  # before the trace is taken: keyed by the events' identity
+        for table in self._tracker.per_event:  # and of no use after: a long run's are large
+            table.clear()
         return {
             "segments": [],
             "device_traces": [self._tracker.take_trace()],
@@ -104,8 +107,8 @@ class CpuRecorder:
                 "version": SNAPSHOT_VERSION,
                 "recorder": "cpu",
                 "complete": True,
-                "labels": [list(label) for label in self._labels],
-                "tags": [list(tag) for tag in self._tags],
+                "labels": self._labels,
+                "tags": self._tags,
                 "steps": list(self._tracker.steps),
                 "dropped_events": self._tracker.dropped,
                 "model": self._hooks.model,

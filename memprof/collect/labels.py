@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from memprof.collect.roles import RoleHooks
-from memprof.collect.storages import StorageTracker, TraceEvent
+from memprof.collect.storages import StorageTracker
+from memprof.trace.events import TraceEvent
 from memprof.trace.model import (
     ACTIVATIONS,
     CATEGORIES,

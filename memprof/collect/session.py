@@ -87,11 +87,14 @@ def run_profiled(target: Target, profile_to: Path | None, steps: int | None,
 def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
                         layout: Layout | None = None) -> dict[str, Any]:
     """Place a GPU-less recording in CUDA memory as the caching allocator would
-    (or as ``layout``, placed while it ran, already has); the recording's trace events
-    are placed in place, so ``snapshot`` is the prediction's to keep."""
-    layout = layout or lay_out(snapshot["device_traces"][0], settings, in_place=True)
+    (or as ``layout``, placed while it ran, already has); the recording's trace is
+    consumed, so ``snapshot`` is the prediction's to keep."""
+    layout = layout or lay_out(snapshot["device_traces"][0], settings, consume=True)
     meta = snapshot["memprof"]
     at = layout.position
+    for key in ("labels", "modules", "tags"):  # [event index, value] pairs, renumbered in place
+        for pair in meta.get(key, []):
+            pair[0] = at[pair[0]]
     return {
         **snapshot,
         "segments": layout.segments,
@@ -99,9 +102,6 @@ def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
         "allocator_settings": settings_dict(settings),
         "memprof": {
             **meta,
-            "labels": [[at[i], category] for i, category in meta["labels"]],
-            "modules": [[at[i], path] for i, path in meta["modules"]],
-            "tags": [[at[i], tag] for i, tag in meta.get("tags", [])],
             # steps are exclusive ends: the event after the step's last one
             "steps": [at[end - 1] + 1 if end else 0 for end in meta["steps"]],
         },

@@ -9,10 +9,10 @@ the storage itself) reports the free.
     with StorageTracker() as tracker:
         train()
     tracker.events  # [TraceEvent("alloc", addr, size, stream, time_us, frames), ...]
-    tracker.take_trace()  # the snapshot's dicts, in place: [{"action": "alloc", ...}, ...]
+    tracker.take_trace()  # the trace, moved out of the tracker
 
-Events are tuples while recording (a third of a dict's memory; a long run holds millions)
-and become the snapshot's dicts only when the trace is taken.
+Events are tuples (``memprof.trace.events``): a third of a dict's memory, and a long run
+holds millions; they become a snapshot's dicts only as the trace is written.
 
 With ``max_entries`` the trace is a ring buffer: when it grows past that many events, the
 oldest are dropped, except the alloc events of storages still allocated at the new first
@@ -30,7 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import (
@@ -40,19 +40,9 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
 )
 
-from memprof.collect.frames import Frame, StackCapture
+from memprof.collect.frames import StackCapture
 from memprof.collect.score_ops import FUSED_ATTENTION_OPS, SCORE_OPS, is_square
-
-
-class TraceEvent(NamedTuple):
-    """One event of the trace, with the fields of a snapshot's trace entry, in its order."""
-
-    action: str
-    addr: int
-    size: int
-    stream: int
-    time_us: int
-    frames: list[Frame]
+from memprof.trace.events import TraceEvent
 
 # Addresses for storages without a usable data pointer (zero bytes, meta, fake, or a
 # pointer another live storage already reports): above every user-space pointer.
@@ -205,13 +195,9 @@ class StorageTracker(_PlainMode):
         self._record(out, func, args, kwargs)
         return out
 
-    def take_trace(self) -> list[dict[str, Any]]:
-        """The events as the snapshot's trace holds them (dicts, sharing their frames),
-        built in place: the tracker's events become dicts one at a time, so the trace is
-        never held twice; nothing keyed by an event's identity works after."""
-        events = self.events
-        for i, event in enumerate(events):
-            events[i] = event._asdict()  # type: ignore[call-overload]
+    def take_trace(self) -> list[TraceEvent]:
+        """The trace, moved out: the tracker holds no events after."""
+        events, self.events = self.events, []
         return events
 
     def alloc_events(self, t: torch.Tensor) -> Iterator[TraceEvent]:

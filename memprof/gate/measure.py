@@ -59,7 +59,7 @@ class Measurement:
     @property
     def made_cuda_tensors(self) -> bool:
         """Whether the code made a CUDA tensor (always true on a real GPU)."""
-        return self._gpu is None or bool(self._gpu.recorder.events)
+        return self._gpu is None or bool(self._gpu.recorder.placer.trace)
 
     def stop(self) -> dict[str, Any]:
         """Stop measuring; the report of the code in between, in the report schema."""

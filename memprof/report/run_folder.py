@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import time
 from pathlib import Path
 from typing import Any
 
 from memprof.errors import MemprofError
 from memprof.report.files import write_atomic
+from memprof.trace.dump import dump_snapshot
 
 
 def run_folder(stem: str, output: Path | None, world_size: int, base: Path = Path("reports")
@@ -75,4 +75,4 @@ def write_snapshot(snapshot: dict[str, Any], path: Path, overwrite: bool = False
 
 def _dump(snapshot: dict[str, Any], path: Path) -> None:
     with path.open("wb") as f:  # streamed: a long trace's pickle is not held in memory
-        pickle.dump(snapshot, f, protocol=4)
+        dump_snapshot(snapshot, f)

@@ -6,13 +6,14 @@ range, see :mod:`memprof.trace.fields`), and nothing past this module sees raw v
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from itertools import repeat
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
 
+from memprof.trace.events import RECORDED
 from memprof.trace.fields import (
     MAX_ADDRESS,
     MAX_BYTES,
@@ -233,19 +234,19 @@ def _trace(device: int, events: object, table: FrameTable) -> DeviceTrace:
     if type(events) is not list:
         raise NotASnapshot(f"{where} is not a list of events")
     try:
-        actions = list(map(itemgetter("action"), events))  # each event: a dict with an action
-        if set(map(type, actions)) - {str}:  # checked before any of them is hashed
-            raise TypeError("an event's 'action' is not a string")
-        action = np.fromiter(map(_CODES.__getitem__, actions), np.int8, len(events))
-        addr, size, stream = (_column(events, k) for k in ("addr", "size", "stream"))
-        times = _column(events, "time_us", default=None)  # absent before PyTorch 2.2
-        frames = list(map(dict.get, events, repeat("frames")))  # every event is a dict by now
+        if events and type(events[0]) in RECORDED:
+            fields, free_at = _recorded_fields(events)
+        else:
+            fields, free_at = _raw_fields(events), _raw_device_free(events, where)
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
         raise NotASnapshot(f"malformed event in {where}: {exc}") from None
+    actions, addr, size, stream, times, frames = fields
+    if set(map(type, actions)) - {str}:  # checked before any of them is hashed
+        raise NotASnapshot(f"malformed event in {where}: an event's 'action' is not a string")
+    action = np.fromiter(map(_CODES.__getitem__, actions), np.int8, len(events))
     _in_range(where, "addr", addr, MAX_ADDRESS)
     _in_range(where, "size", size, MAX_BYTES)
     _in_range(where, "stream", stream, 1 << 62)
-    oom = np.flatnonzero(action == Action.OOM)
     return DeviceTrace(
         device=device,
         action=action,
@@ -253,11 +254,36 @@ def _trace(device: int, events: object, table: FrameTable) -> DeviceTrace:
         size=size,
         stream=stream,
         time_us=times,
-        device_free={int(i): integer(events[i], "device_free", f"{where} event {i}", MAX_BYTES,
-                                     default=0) for i in oom},
+        device_free={int(i): free_at(int(i)) for i in np.flatnonzero(action == Action.OOM)},
         _frames=frames,
         _convert=table.frames,
     )
+
+
+def _raw_fields(events: list) -> tuple:
+    """The fields of a snapshot's events (dicts): actions, the integer columns, stacks."""
+    actions = list(map(itemgetter("action"), events))  # each event: a dict with an action
+    addr, size, stream = (_column(events, k) for k in ("addr", "size", "stream"))
+    times = _column(events, "time_us", default=None)  # absent before PyTorch 2.2
+    frames = list(map(dict.get, events, repeat("frames")))  # every event is a dict by now
+    return actions, addr, size, stream, times, frames
+
+
+def _raw_device_free(events: list, where: str) -> Callable[[int], int]:
+    return lambda i: integer(events[i], "device_free", f"{where} event {i}", MAX_BYTES,
+                             default=0)
+
+
+def _recorded_fields(events: list) -> tuple[tuple, Callable[[int], int]]:
+    """The fields of a trace memprof recorded in this process (``events.py`` tuples)."""
+    if set(map(type, events)) - set(RECORDED):
+        raise TypeError("a recorded trace holds an event of another kind")
+    n = len(events)
+    actions = list(map(attrgetter("action"), events))
+    addr, size, stream, times = (np.fromiter(map(attrgetter(k), events), np.int64, n)
+                                 for k in ("addr", "size", "stream", "time_us"))
+    frames = list(map(attrgetter("frames"), events))
+    return (actions, addr, size, stream, times, frames), lambda i: events[i].device_free
 
 
 def _in_range(where: str, key: str, column: np.ndarray, limit: int) -> None:

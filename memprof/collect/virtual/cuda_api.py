@@ -19,6 +19,7 @@ import torch.cuda.nvtx
 
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.recorder import VirtualRecorder
+from memprof.trace.events import as_snapshot_events
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ class HistoryWindow:
         """The predicted snapshot as ``torch.cuda.memory._snapshot()`` returns it."""
         layout = self._recorder.placer.layout()
         trace = [] if self._start is None else layout.trace[self._start:self._end]
-        return {"segments": layout.segments, "device_traces": [trace],
+        return {"segments": layout.segments, "device_traces": [as_snapshot_events(trace)],
                 "allocator_settings": self._settings, "external_annotations": []}
 
     def dump(self, filename: str = "dump_snapshot.pickle") -> None:

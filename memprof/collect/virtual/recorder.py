@@ -12,7 +12,6 @@ import os
 import sys
 import threading
 from types import FrameType
-from typing import NamedTuple
 
 import torch
 
@@ -20,11 +19,12 @@ from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.blocks import OutOfMemory
 from memprof.analysis.layout import Placer
 from memprof.collect.frames import Frame, StackCapture
-from memprof.collect.storages import StorageTracker, TraceEvent, _StorageRef, tensors_in
+from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
 from memprof.collect.virtual.accumulate import ADD, accumulates_in_place
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.tensor import VirtualTensor
 from memprof.collect.virtual.workspaces import CublasWorkspaces, cublas_workspace_bytes
+from memprof.trace.events import OomEvent, TraceEvent
 from memprof.trace.model import WORKSPACE, AllocatorSettings
 
 _COLLECT = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
@@ -35,18 +35,6 @@ class _UserStacks(StackCapture):
 
     def _build(self, frame: FrameType | None) -> list[Frame]:
         return [f for f in super()._build(frame) if not str(f["filename"]).startswith(_COLLECT)]
-
-
-class OomEvent(NamedTuple):
-    """The trace's record of an allocation the card refused, in a snapshot's field order."""
-
-    action: str
-    addr: int
-    size: int
-    stream: int
-    device_free: int
-    time_us: int
-    frames: list[Frame]
 
 
 class VirtualRecorder(StorageTracker):
@@ -152,7 +140,7 @@ class VirtualRecorder(StorageTracker):
         alloc = self.allocator
         before = alloc.allocated
         try:
-            self.placer.add(event._asdict())
+            self.placer.add(event)
         except OutOfMemory as oom:
             self.events.pop()
             self.modules.pop(id(event), None)
@@ -172,8 +160,8 @@ class VirtualRecorder(StorageTracker):
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
         super()._free(ref, frame)
         before = self.allocator.allocated
-        self.placer.add(self.events[-2]._asdict())
-        self.placer.add(self.events[-1]._asdict())
+        self.placer.add(self.events[-2])
+        self.placer.add(self.events[-1])
         self.freed_total[0] += 1
         self.freed_total[1] += before - self.allocator.allocated
 
@@ -182,7 +170,7 @@ class VirtualRecorder(StorageTracker):
         free = max(0, self.card.usable_bytes - oom.reserved)  # cudaMemGetInfo's free
         record = OomEvent("oom", 0, oom.device_alloc, 0, free, event.time_us, event.frames)
         self.events.append(record)  # type: ignore[arg-type]
-        self.placer.add(record._asdict())
+        self.placer.add(record)
         return torch.OutOfMemoryError(oom_message(self.card, oom, free, self.allowed))
 
 
