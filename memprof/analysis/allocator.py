@@ -262,8 +262,8 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
 
     def _take_front(self, block: Block, requested: int, rounded: int) -> Block:
         """Hand out the front ``rounded`` bytes of ``block``, just taken off its free list."""
-        remaining = block.size - rounded
-        if (remaining >= MIN_BLOCK if block.seg.small or self._expandable
+        seg, remaining = block.seg, block.size - rounded
+        if (remaining >= MIN_BLOCK if seg.small or self._expandable
                 else rounded < self.max_split and remaining > SMALL_SIZE):  # should_split
             self._split(block, rounded)
         size = block.size
@@ -271,7 +271,7 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         block.allocated = True
         block.requested = requested
         self.allocated += size
-        block.seg.group[2] += size
+        seg.group[2] += size
         self.requested += requested
         return block
 

@@ -179,9 +179,11 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     pools = {s.address: s.pool_id for s in segments if s.pool_id != DEFAULT_POOL}
 
     zeros = bytes(8 * n)
-    block_size, delta_alloc = array("q", zeros), array("q", zeros)
-    delta_res, delta_pred = array("q", zeros), array("q", zeros)
+    block_size, delta_res, delta_pred = array("q", zeros), array("q", zeros), array("q", zeros)
     end = array("q", [n]) * n
+    # releases that ``end`` does not show (see _allocated): event -> bytes
+    other_releases: dict[int, int] = {}
+    unplaced: list[int] = []  # alloc events whose block the simulator could not place
     live: dict[int, tuple[Block | None, int]] = {b.addr: (alloc.block_at(b.addr), -1)
                                                  for b in initial}
     initial_by_addr = {b.addr: b for b in initial}
@@ -213,7 +215,9 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                     block, taken = decisions.allocate(i, addr, size, stream, rounded, pool,
                                                       find_free(rounded, stream, pool))
                     pending = decisions.pending
-                block_size[i] = delta_alloc[i] = taken
+                    if block is None:
+                        unplaced.append(i)
+                block_size[i] = taken
                 live[addr] = (block, i)
                 if alloc.allocated > peak_value:
                     peak_value, peak = alloc.allocated, capture(alloc, i)
@@ -227,17 +231,18 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                     check.inconsistencies += 2 if action == _FREE_BOTH else 1
                     continue
                 block, start = entry
-                if block is None or block.allocated:
-                    taken = block.size if block is not None else block_size[start]
-                    delta_alloc[i] = -taken
+                if block is None or block.allocated:  # released now
                     if block is None:
-                        alloc.allocated -= taken
+                        alloc.allocated -= block_size[start]
+                        other_releases[i] = block_size[start]
                     elif action == requested_code:
                         release_stats(block)  # else free() does it
                     if start >= 0:
                         end[start] = i
                     else:
                         initial_by_addr[addr].end = i
+                        if block is not None:
+                            other_releases[i] = block.size
                 if action != requested_code and block is not None:
                     free(block)
             elif action in (_SEGMENT_ALLOC, _SEGMENT_MAP):
@@ -255,17 +260,15 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
             elif action == _OOM:
                 ooms.append(capture(alloc, i))
     decisions.add_reproduced(reproduced)
-
-    def cumulative(start: int, deltas: array) -> np.ndarray:
-        return start + np.cumsum(np.frombuffer(deltas, np.int64))
-
+    sizes, ends = np.frombuffer(block_size, np.int64), np.frombuffer(end, np.int64)
     return Replay(
         device=-1 if trace is None else trace.device,
-        allocated=cumulative(initial_allocated, delta_alloc),
-        reserved=cumulative(initial_reserved, delta_res),
-        reserved_predicted=cumulative(initial_reserved, delta_pred),
-        block_size=np.frombuffer(block_size, np.int64),
-        end=np.frombuffer(end, np.int64),
+        allocated=_cumulative(initial_allocated,
+                              _allocated(sizes, ends, unplaced, other_releases)),
+        reserved=_cumulative(initial_reserved, np.frombuffer(delta_res, np.int64)),
+        reserved_predicted=_cumulative(initial_reserved, np.frombuffer(delta_pred, np.int64)),
+        block_size=sizes,
+        end=ends,
         initial=initial,
         initial_allocated=initial_allocated,
         initial_reserved=initial_reserved,
@@ -274,6 +277,30 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         check=check,
         final=capture(alloc, n - 1),
     )
+
+
+def _allocated(block_size: np.ndarray, end: np.ndarray, unplaced: list[int],
+               other_releases: dict[int, int]) -> np.ndarray:
+    """The change of allocated bytes at each event, worked out after the replay rather than
+    stored at each event: each placed block counts from its alloc event until ``end`` (the
+    event that released it, if any); the releases of unplaced and pre-window blocks are
+    ``other_releases`` (an unplaced block is released by its free request and again by its
+    completion, as the replay counts it)."""
+    delta = block_size.copy()
+    released = np.flatnonzero(end < len(end))
+    if unplaced:
+        released = np.setdiff1d(released, unplaced, assume_unique=True)
+    delta[end[released]] -= block_size[released]  # one block per release event
+    for i, size in other_releases.items():
+        delta[i] -= size
+    return delta
+
+
+def _cumulative(start: int, deltas: np.ndarray) -> np.ndarray:
+    """``start`` plus the running sum of ``deltas``."""
+    out = np.cumsum(deltas)
+    out += start
+    return out
 
 
 def _fuse_frees(trace: DeviceTrace) -> tuple[np.ndarray, np.ndarray]:
