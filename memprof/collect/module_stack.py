@@ -62,7 +62,7 @@ class ModuleStack:
 
     def current(self) -> str | None:
         """The path of the module running now on this thread, None outside every module."""
-        stack = self._stack()
+        stack = getattr(self._local, "stack", None)  # asked at every allocation: no call
         return stack[-1][1] if stack else self.in_backward()
 
     def in_backward(self) -> str | None:

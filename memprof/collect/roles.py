@@ -53,6 +53,7 @@ class RoleHooks:
         # no reference to the parameters, weak ones included: Module._apply (model.half())
         # swaps a tensor subclass's parameters in place, which a weak reference forbids
         self._grad_hooks: list[RemovableHandle] = []
+        self._grad_hook = self._on_grad  # one bound method: found by identity in a param's hooks
         self._handles: list[RemovableHandle] = []
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -119,8 +120,8 @@ class RoleHooks:
     def _watch_param(self, p: torch.Tensor) -> None:
         self._mark_param(p)
         hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-        if p.requires_grad and self._on_grad not in hooks.values():
-            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if p.requires_grad and self._grad_hook not in hooks.values():
+            self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
 
     def _mark_state(self, optimizer: torch.optim.Optimizer) -> None:
         for state in optimizer.state.values():

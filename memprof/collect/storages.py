@@ -28,7 +28,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -37,13 +37,15 @@ from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
     _pop_mode,
-    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
 )
 
 from memprof.collect.frames import StackCapture
-from memprof.collect.score_ops import FUSED_ATTENTION_OPS, SCORE_OPS, is_square
+from memprof.collect.op_facts import FUSED, MAY_ALIAS, SCORES, op_facts
+from memprof.collect.score_ops import is_square
 from memprof.trace.events import TraceEvent
 
+_new_event = tuple.__new__
 # Addresses for storages without a usable data pointer (zero bytes, meta, fake, or a
 # pointer another live storage already reports): above every user-space pointer.
 SYNTHETIC_BASE = 1 << 48
@@ -124,8 +126,15 @@ def tensors_in(obj: object) -> list[torch.Tensor]:
     return found
 
 
+_WRAPPER_TYPES: dict[type, bool] = {torch.Tensor: False}  # type -> a traceable wrapper subclass
+
+
 def storages_behind(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):
+    kind = type(t)
+    wrapper = _WRAPPER_TYPES.get(kind)
+    if wrapper is None:
+        wrapper = _WRAPPER_TYPES[kind] = is_traceable_wrapper_subclass_type(kind)
+    if wrapper:
         inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
         return [st for x in inner if isinstance(x, torch.Tensor) for st in storages_behind(x)]
     try:
@@ -166,6 +175,7 @@ class StorageTracker(_PlainMode):
         self._epoch_us = 0
         self._origin_ns = 0
         self._forked = False
+        self._on_free_callback = self._on_free  # one bound method for every weak reference
 
     def __enter__(self) -> StorageTracker:
         self._wrappers = _dispatch_wrapper_codes()
@@ -200,12 +210,11 @@ class StorageTracker(_PlainMode):
         events, self.events = self.events, []
         return events
 
-    def alloc_events(self, t: torch.Tensor) -> Iterator[TraceEvent]:
-        """Yield the alloc events of the live tracked storages behind `t`."""
-        for st in storages_behind(t):
-            ref = self._live.get(st._cdata)
-            if ref is not None:
-                yield ref.event
+    def alloc_events(self, t: torch.Tensor) -> list[TraceEvent]:
+        """Return the alloc events of the live tracked storages behind `t`."""
+        live = self._live
+        return [ref.event for st in storages_behind(t)
+                if (ref := live.get(st._cdata)) is not None]
 
     def adopt_shared(self, st: torch.UntypedStorage, frame: FrameType | None) -> None:
         """Record ``st``, a storage mapped from another process (a DataLoader worker's
@@ -217,7 +226,8 @@ class StorageTracker(_PlainMode):
     def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
         frame = None
         inputs = None
-        for t in tensors_in(out):
+        facts = op_facts(func)
+        for t in (out,) if type(out) is torch.Tensor else tensors_in(out):
             for st in storages_behind(t):
                 key = st._cdata
                 ref = self._live.get(key)
@@ -226,14 +236,16 @@ class StorageTracker(_PlainMode):
                         continue
                     frame = frame or self._op_frame()
                     self._free(ref, frame)  # resized in place: a new block, like realloc
-                elif func is not _LIFT_FRESH:  # lift_fresh returns torch.tensor()'s new data
+                # lift_fresh returns torch.tensor()'s new data
+                elif facts & MAY_ALIAS and func is not _LIFT_FRESH:
                     if inputs is None:
                         inputs = self._input_keys(args, kwargs)
                     if key in inputs:
                         continue
                 frame = frame or self._op_frame()
                 self._alloc(st, key, frame)
-                self._classify(func, t)
+                if facts & (SCORES | FUSED):
+                    self._classify(facts, t)
 
     def _trim(self) -> list[int]:
         """Drop the oldest events down to ``max_entries``, but for the alloc events of blocks
@@ -267,12 +279,11 @@ class StorageTracker(_PlainMode):
         self._trim_at = int(max(len(self.events), self.max_entries) * (1 + _TRIM_SLACK))
         return dropped
 
-    def _classify(self, func: object, t: torch.Tensor) -> None:
-        """Note what the new allocation's op tells the savings models."""
-        packet = getattr(func, "overloadpacket", None)
-        if packet in SCORE_OPS and is_square(t):
+    def _classify(self, facts: int, t: torch.Tensor) -> None:
+        """Note what the new allocation's op (``op_facts``) tells the savings models."""
+        if facts & SCORES and is_square(t):
             self.square_scores.add(id(self.events[-1]))
-        elif packet in FUSED_ATTENTION_OPS:
+        elif facts & FUSED:
             self.fused_attention = True
 
     @staticmethod
@@ -290,11 +301,13 @@ class StorageTracker(_PlainMode):
         return frame
 
     def _alloc(self, st: torch.UntypedStorage, key: int, frame: FrameType | None) -> None:
-        event = TraceEvent("alloc", self._address(st), st.nbytes(), 0, self._now_us(),
-                           self._stacks.capture(frame))
-        if self.scope is not None and (path := self.scope()) is not None:
+        # tuple.__new__: a NamedTuple's own __new__ is a Python function, twice the cost
+        event = _new_event(TraceEvent, ("alloc", self._address(st), st.nbytes(), 0,
+                                        self._now_us(), self._stacks.capture(frame)))
+        scope = self.scope
+        if scope is not None and (path := scope()) is not None:
             self.modules[id(event)] = path
-        ref = _StorageRef(st, self._on_free)
+        ref = _StorageRef(st, self._on_free_callback)
         ref.event = event
         ref.key = key
         self._live[key] = ref
@@ -311,18 +324,17 @@ class StorageTracker(_PlainMode):
         addr, size, stream = alloc.addr, alloc.size, alloc.stream
         now, frames = self._now_us(), self._stacks.capture(frame)
         self.events.extend((  # one call: nothing lands between them
-            TraceEvent("free_requested", addr, size, stream, now, frames),
-            TraceEvent("free_completed", addr, size, stream, now, frames)))
+            _new_event(TraceEvent, ("free_requested", addr, size, stream, now, frames)),
+            _new_event(TraceEvent, ("free_completed", addr, size, stream, now, frames))))
         self._addrs.discard(addr)
         if addr >= SYNTHETIC_BASE:
             self._spare.append(addr)
 
     def _address(self, st: torch.UntypedStorage) -> int:
-        if st.device.type != "meta":
-            ptr = st.data_ptr()
-            if ptr and ptr not in self._addrs:
-                self._addrs.add(ptr)
-                return ptr
+        ptr = st.data_ptr()  # 0 for a meta storage (and a fake one)
+        if ptr and ptr not in self._addrs:
+            self._addrs.add(ptr)
+            return ptr
         addr = self._spare.pop() if self._spare else next(self._synthetic)
         self._addrs.add(addr)
         return addr

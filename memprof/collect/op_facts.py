@@ -1,0 +1,47 @@
+"""What the storage tracker needs to know of an operator, decided once per ``OpOverload``.
+
+Whether an output's storage can be one of the inputs' storages: only if the schema gives a
+return an alias annotation (views, in-place and ``out=`` ops), for the few aten ops that
+alias without saying so (``_unsafe_view``), and for any op outside aten, whose schema is
+not checked (c10d's collectives return their inputs unannotated). And whether a new
+output can be attention scores or comes from a fused attention kernel (``score_ops.py``).
+
+    facts = op_facts(torch.ops.aten.mm.default)
+    facts & MAY_ALIAS  # 0: mm's output never shares an input's storage
+"""
+
+from __future__ import annotations
+
+from memprof.collect.score_ops import FUSED_ATTENTION_OPS, SCORE_OPS
+
+MAY_ALIAS = 1  # an output may share an input's storage
+SCORES = 2  # an output may be attention scores (SCORE_OPS)
+FUSED = 4  # a fused attention kernel (FUSED_ATTENTION_OPS)
+
+# aten ops whose outputs share an input's storage though the schema does not say so
+# (torch's SchemaCheckMode exempts the first ones; lift returns its input itself)
+_UNANNOTATED = frozenset({"aten::_unsafe_view", "aten::unsafe_split",
+                          "aten::unsafe_split_with_sizes", "aten::unsafe_chunk", "aten::lift"})
+# id(op) -> its flags: an OpOverload hashes in Python, an id does not; the ops are kept
+# (_SEEN), so that their ids are never reused
+_FACTS: dict[int, int] = {}
+_SEEN: list[object] = []
+
+
+def op_facts(func: object) -> int:
+    """The flags above that hold for ``func`` (an OpOverload; None: no operator)."""
+    facts = _FACTS.get(id(func))
+    if facts is None:
+        facts = _FACTS[id(func)] = _decide(func)
+        _SEEN.append(func)
+    return facts
+
+
+def _decide(func: object) -> int:
+    schema = getattr(func, "_schema", None)
+    aliases = (schema is None or getattr(func, "namespace", None) != "aten"
+               or schema.name in _UNANNOTATED
+               or any(r.alias_info is not None for r in schema.returns))
+    packet = getattr(func, "overloadpacket", None)
+    return ((MAY_ALIAS if aliases else 0) | (SCORES if packet in SCORE_OPS else 0)
+            | (FUSED if packet in FUSED_ATTENTION_OPS else 0))
