@@ -17,6 +17,7 @@ from memprof.collect.labeller import HookLabeller
 from memprof.collect.launch import Outcome, Target, run
 from memprof.collect.profiler import StepWindowProfiler
 from memprof.collect.storages import StorageTracker
+from memprof.heap import trim
 from memprof.trace.model import AllocatorSettings
 
 
@@ -44,6 +45,7 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
     recorder = CpuRecorder(StorageTracker(max_entries))
     with recorder:
         outcome, seconds = run_profiled(target, profile_to, steps, seconds)
+    trim()  # what the script freed, before memprof's own work on the trace
     return Recording(predict_cuda_layout(recorder.snapshot(), settings), outcome,
                      "cpu (CUDA memory predicted)", True, seconds)
 
