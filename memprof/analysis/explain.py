@@ -92,8 +92,7 @@ def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[Alloca
     table = intervals(trace, result)
     n = 0 if trace is None else len(trace)
 
-    allocated = np.concatenate([[result.initial_allocated], result.allocated])
-    reserved = np.concatenate([[result.initial_reserved], result.reserved])
+    allocated, reserved = result.allocated, result.reserved
     peak = int(np.argmax(allocated)) - 1
     labels = snapshot.labels.get(device)
     describe = _Describer(snapshot, device, table, result, labels, top)
@@ -324,7 +323,7 @@ def _replay_summary(snapshot: Snapshot, result: Replay, segments: list[Segment],
     final_allocated = sum(s.allocated_size for s in segments)
     notes = unmodelled(settings)
     c = result.check
-    predicted = np.concatenate([[result.initial_reserved], result.reserved_predicted])
+    predicted = result.reserved_predicted
     summary = ReplaySummary(
         modelled=not notes,
         note="; ".join(notes) or _verdict(c),

@@ -63,9 +63,10 @@ class Replay:
     """The result of replaying one device's trace."""
 
     device: int
-    allocated: np.ndarray  # int64 block bytes after each event
-    reserved: np.ndarray  # int64 after each event
-    reserved_predicted: np.ndarray  # int64: reserved had the simulator taken every decision
+    # int64 timelines, n + 1 long: the state before the first event, then after each event
+    allocated: np.ndarray  # block bytes
+    reserved: np.ndarray
+    reserved_predicted: np.ndarray  # reserved had the simulator taken every decision
     block_size: np.ndarray  # int64 block size of each alloc event, 0 elsewhere
     end: np.ndarray  # int64: for alloc events, the index of its free (len if alive at the end)
     initial: list[InitialBlock]
@@ -178,8 +179,8 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     # private pools only: most snapshots have none, and then allocations look nothing up
     pools = {s.address: s.pool_id for s in segments if s.pool_id != DEFAULT_POOL}
 
-    zeros = bytes(8 * n)
-    block_size, delta_res, delta_pred = array("q", zeros), array("q", zeros), array("q", zeros)
+    zeros = array("q", [0])
+    block_size, delta_res, delta_pred = zeros * n, zeros * n, zeros * n
     end = array("q", [n]) * n
     # releases that ``end`` does not show (see _allocated): event -> bytes
     other_releases: dict[int, int] = {}
@@ -297,8 +298,10 @@ def _allocated(block_size: np.ndarray, end: np.ndarray, unplaced: list[int],
 
 
 def _cumulative(start: int, deltas: np.ndarray) -> np.ndarray:
-    """``start`` plus the running sum of ``deltas``."""
-    out = np.cumsum(deltas)
+    """``start``, then ``start`` plus the running sum of ``deltas`` (one array, no copy)."""
+    out = np.empty(len(deltas) + 1, np.int64)
+    out[0] = 0
+    np.cumsum(deltas, out=out[1:])
     out += start
     return out
 
