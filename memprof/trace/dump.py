@@ -14,7 +14,7 @@ import io
 import pickle
 from typing import Any, BinaryIO
 
-from memprof.trace.events import RECORDED
+from memprof.trace.events import RECORDED, as_snapshot_events
 
 _CHUNK = 8192  # events converted to dicts at a time
 _PROTOCOL = 2
@@ -56,8 +56,7 @@ def _write(f: BinaryIO, writer: _Writer, shared: dict[int, Any], value: object) 
     f.write(pickle.EMPTY_LIST)
     writer.forget(shared)
     for start in range(0, len(value), _CHUNK):
-        chunk = [e._asdict() if type(e) in RECORDED else e for e in value[start:start + _CHUNK]]
-        f.write(writer.items(chunk))
+        f.write(writer.items(as_snapshot_events(value[start:start + _CHUNK])))
         writer.forget(shared)
 
 
