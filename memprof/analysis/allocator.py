@@ -58,6 +58,7 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         # most replays never ask)
         self._starts: list[int] | None = None
         self.segments: dict[int, Segment] = {}
+        self.segment_changes = 0  # counts every change to ``segments`` (a segment's size too)
         self.allocated = 0  # block bytes held by tensors (max_memory_allocated's stat)
         self.requested = 0
         self.reserved = 0
@@ -122,6 +123,7 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         block = Block(addr, total, seg)
         seg.first = block
         self.segments[addr] = seg
+        self.segment_changes += 1
         self._index(block)
         self._insert_free(block)
         self.reserved += total
@@ -137,6 +139,7 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         self._remove_free(block)
         self._unindex(block.addr)
         del self.segments[seg.addr]
+        self.segment_changes += 1
         self.reserved -= seg.total
         seg.group[0] -= 1
         seg.group[1] -= seg.total

@@ -59,6 +59,7 @@ class ExpandableSegments:
             self._index(tail)
             self._insert_free(tail)
         seg.total += size
+        self.segment_changes += 1
         self.reserved += size
         seg.group[1] += size
         return seg
@@ -73,6 +74,7 @@ class ExpandableSegments:
         group[1] -= seg.total
         self.reserved -= seg.total
         del self.segments[seg.addr]
+        self.segment_changes += 1
         for first, last in ((seg.first if before else None, before), (after, None)):
             if first is None:
                 continue

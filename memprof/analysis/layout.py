@@ -65,26 +65,26 @@ class Placer:
         self.position: array[int] = array("q")  # 8 bytes an event, not an int object
         self._blocks: dict[int, Block] = {}
         self._stacks: dict[int, list] = {}  # alloc stacks of live blocks, by predicted address
+        # the allocator's segments and their sizes when the trace last caught up with them
+        self._segments: dict[int, Segment] = {}
+        self._totals: dict[int, int] = {}
+        self._changes = alloc.segment_changes
 
     def add(self, event: Event) -> None:
         """Place one event of the input trace."""
         alloc, out = self.alloc, self.trace
         action = event.action
         if action == "alloc":
-            reserved = alloc.reserved
-            before = dict(alloc.segments)
-            totals = {addr: seg.total for addr, seg in before.items()}
             try:
                 block = alloc.malloc(event.size, event.stream)
-            finally:  # under a limit, cached segments go back to the device first
-                self._released(before, event.time_us)
+            except BaseException:  # under a limit, cached segments went back to the device
+                self._catch_up(event.time_us, None)
+                raise
+            self._catch_up(event.time_us, event.frames)
             self.position.append(len(out))
-            if alloc.reserved != reserved:
-                out.extend(_growth(alloc, totals, event))
-                self.position[-1] = len(out)
             self._blocks[event.addr] = block
             self._stacks[block.addr] = event.frames
-            out.append(event._replace(addr=block.addr))
+            out.append(_moved(event, block.addr))
         elif action in ("free_requested", "free_completed"):
             recorded = event.addr
             block = self._blocks.get(recorded)
@@ -92,7 +92,7 @@ class Placer:
                 self.position.append(-1)
                 return
             self.position.append(len(out))
-            out.append(event._replace(addr=block.addr))  # before a merge moves the block
+            out.append(_moved(event, block.addr))  # before a merge moves the block
             if action == "free_completed":
                 del self._blocks[recorded]
                 self._stacks.pop(block.addr, None)
@@ -116,16 +116,32 @@ class Placer:
 
     def release_cached(self, time_us: int) -> None:
         """``empty_cache()``: return cached segments to the device, with their trace events."""
-        before = dict(self.alloc.segments)
         self.alloc.release_cached()
-        self._released(before, time_us)
+        self._catch_up(time_us, None)
 
-    def _released(self, before: dict[int, Segment], time_us: int) -> None:
-        """Trace the segments of ``before`` that the allocator has given back since."""
+    def _catch_up(self, time_us: int, grown_by: list | None) -> None:
+        """Trace the segments the allocator has given back since the last catch-up, and with
+        ``grown_by`` (the stack of the allocation that grew them) those it has grown.
+
+        Segments are compared only when they changed: a pass over all of them at every
+        allocation would cost more than placing it.
+        """
+        alloc, before, totals = self.alloc, self._segments, self._totals
+        if alloc.segment_changes == self._changes:
+            return
         for addr, seg in before.items():
-            if addr not in self.alloc.segments:
+            if addr not in alloc.segments:
                 action = "segment_unmap" if seg.expandable else "segment_free"
                 self.trace.append(TraceEvent(action, addr, seg.total, seg.stream, time_us, []))
+        for seg in alloc.segments.values() if grown_by is not None else ():
+            added = seg.total - totals.get(seg.addr, 0)
+            if added > 0:
+                action = "segment_map" if seg.expandable else "segment_alloc"
+                addr = seg.addr + totals.get(seg.addr, 0) if seg.expandable else seg.addr
+                self.trace.append(TraceEvent(action, addr, added, seg.stream, time_us, grown_by))
+        self._segments = dict(alloc.segments)
+        self._totals = {addr: seg.total for addr, seg in alloc.segments.items()}
+        self._changes = alloc.segment_changes
 
     def layout(self, device: int = 0) -> Layout:
         """The trace so far and the allocator's segments now."""
@@ -133,16 +149,9 @@ class Placer:
                       array("q", self.position))
 
 
-def _growth(alloc: CachingAllocator, before: dict[int, int], event: Event) -> list[Event]:
-    """The segment_alloc / segment_map events that an allocation caused."""
-    grown = []
-    for seg in alloc.segments.values():
-        added = seg.total - before.get(seg.addr, 0)
-        if added > 0:
-            action = "segment_map" if seg.expandable else "segment_alloc"
-            addr = seg.addr + before.get(seg.addr, 0) if seg.expandable else seg.addr
-            grown.append(TraceEvent(action, addr, added, seg.stream, event.time_us, event.frames))
-    return grown
+def _moved(event: TraceEvent, addr: int) -> TraceEvent:
+    """``event`` at ``addr``: ``_replace``, without its Python-level cost per event."""
+    return tuple.__new__(TraceEvent, (event[0], addr, *event[2:]))
 
 
 def snapshot_segments(alloc: CachingAllocator, device: int = 0,

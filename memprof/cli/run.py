@@ -95,6 +95,7 @@ def run(
     from memprof.analysis.settings import parse_alloc_conf, unmodelled
     from memprof.collect import cuda, session
     from memprof.collect.endings import finishing
+    from memprof.heap import frozen
     from memprof.report.run_folder import claim, file_names, run_folder
 
     if device not in ("auto", "cpu", "cuda"):
@@ -135,7 +136,7 @@ def run(
                                    settings, profile_path, steps, seconds)
     if os.getpid() != parent:  # a child the script forked ran out its copy of the script
         raise typer.Exit(recording.outcome.exit_code)
-    with finishing():
+    with finishing(), frozen():  # the script has ended: its objects wait for the exit
         try:
             code = _finish(recording, target, folder, names, settings.conf, started, top, limit)
         except KeyboardInterrupt:

@@ -17,7 +17,7 @@ from memprof.collect.labeller import HookLabeller
 from memprof.collect.launch import Outcome, Target, run
 from memprof.collect.profiler import StepWindowProfiler
 from memprof.collect.storages import StorageTracker
-from memprof.heap import trim
+from memprof.heap import frozen, trim
 from memprof.trace.model import AllocatorSettings
 
 
@@ -46,8 +46,9 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
     with recorder:
         outcome, seconds = run_profiled(target, profile_to, steps, seconds)
     trim()  # what the script freed, before memprof's own work on the trace
-    return Recording(predict_cuda_layout(recorder.snapshot(), settings), outcome,
-                     "cpu (CUDA memory predicted)", True, seconds)
+    with frozen():
+        snapshot = predict_cuda_layout(recorder.snapshot(), settings)
+    return Recording(snapshot, outcome, "cpu (CUDA memory predicted)", True, seconds)
 
 
 def record_cuda(target: Target, max_entries: int, profile_to: Path | None, steps: int | None,

@@ -10,7 +10,7 @@ from memprof.collect.launch import Target
 from memprof.collect.session import Recording, predict_cuda_layout, run_profiled, settings_dict
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.gpu import VirtualGpu
-from memprof.heap import trim
+from memprof.heap import frozen, trim
 from memprof.trace.model import AllocatorSettings
 
 
@@ -29,7 +29,8 @@ def record_virtual(target: Target, card: Card, settings: AllocatorSettings,
     with recorder, gpu:
         outcome, took = run_profiled(target, profile_to, steps, seconds)
     trim()  # what the script freed, before memprof's own work on the trace
-    snapshot = predict_cuda_layout(recorder.snapshot(), settings, gpu.recorder.placer.layout())
+    with frozen():
+        snapshot = predict_cuda_layout(recorder.snapshot(), settings, gpu.recorder.placer.layout())
     return Recording(snapshot, outcome, f"virtual {card.name}", True, took,
                      virtual_gpu=virtual_gpu_facts(card))
 
