@@ -20,28 +20,32 @@ class Run:
     cpu_seconds: float = 0.0  # user + system time of the command: less sensitive to load
 
 
-def run(argv: list[str], cwd: Path | None = None, repeat: int = 1) -> Run:
+def run(argv: list[str], cwd: Path | None = None, repeat: int = 1,
+        stdout: Path | None = None) -> Run:
     """Run ``argv`` in a fresh child ``repeat`` times: the median wall time, the peak RSS.
+    The command's standard output is dropped, or written to ``stdout`` (the last run's).
 
     This machine's timings vary by tens of percent from run to run; medians of three
     make a ratio worth quoting.
     """
-    runs = [_run_once(argv, cwd) for _ in range(repeat)]
+    runs = [_run_once(argv, cwd, stdout) for _ in range(repeat)]
     return Run(statistics.median(r.seconds for r in runs), max(r.peak_rss_mib for r in runs),
                statistics.median(r.cpu_seconds for r in runs))
 
 
-def _run_once(argv: list[str], cwd: Path | None) -> Run:
+def _run_once(argv: list[str], cwd: Path | None, stdout: Path | None) -> Run:
     code = (
         "import resource, subprocess, sys, time\n"
+        "out = open(sys.argv[1], 'w') if sys.argv[1] else subprocess.DEVNULL\n"
         "t = time.perf_counter()\n"
-        "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode\n"
+        "rc = subprocess.run(sys.argv[2:], stdout=out).returncode\n"
         "dt = time.perf_counter() - t\n"
         "usage = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
         "print(rc, dt, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, *argv], cwd=cwd, check=True,
-                         capture_output=True, text=True, env={**os.environ, "COLUMNS": "120"})
+    out = subprocess.run([sys.executable, "-c", code, str(stdout or ""), *argv], cwd=cwd,
+                         check=True, capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "120"})
     rc, seconds, rss, cpu = out.stdout.split()
     if rc != "0":
         raise RuntimeError(f"{argv} exited with {rc}")

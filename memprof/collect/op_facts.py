@@ -3,8 +3,10 @@
 Whether an output's storage can be one of the inputs' storages: only if the schema gives a
 return an alias annotation (views, in-place and ``out=`` ops), for the few aten ops that
 alias without saying so (``_unsafe_view``), and for any op outside aten, whose schema is
-not checked (c10d's collectives return their inputs unannotated). And whether a new
-output can be attention scores or comes from a fused attention kernel (``score_ops.py``).
+not checked (c10d's collectives return their inputs unannotated). Whether every output is
+a view of an input (an alias annotation that does not write): such an op, half of a
+forward pass's, makes no storage, and the tracker skips it. And whether a new output can
+be attention scores or comes from a fused attention kernel (``score_ops.py``).
 
     facts = op_facts(torch.ops.aten.mm.default)
     facts & MAY_ALIAS  # 0: mm's output never shares an input's storage
@@ -17,6 +19,7 @@ from memprof.collect.score_ops import FUSED_ATTENTION_OPS, SCORE_OPS
 MAY_ALIAS = 1  # an output may share an input's storage
 SCORES = 2  # an output may be attention scores (SCORE_OPS)
 FUSED = 4  # a fused attention kernel (FUSED_ATTENTION_OPS)
+VIEW = 8  # every output is a view of an input: the op makes no storage
 
 # aten ops whose outputs share an input's storage though the schema does not say so
 # (torch's SchemaCheckMode exempts the first ones; lift returns its input itself)
@@ -39,9 +42,14 @@ def op_facts(func: object) -> int:
 
 def _decide(func: object) -> int:
     schema = getattr(func, "_schema", None)
-    aliases = (schema is None or getattr(func, "namespace", None) != "aten"
-               or schema.name in _UNANNOTATED
+    aten = schema is not None and getattr(func, "namespace", None) == "aten"
+    aliases = (not aten or schema.name in _UNANNOTATED
                or any(r.alias_info is not None for r in schema.returns))
+    # lift_fresh returns its input, whose storage torch.tensor() made outside any operator
+    views = aten and schema.name != "aten::lift_fresh" and bool(schema.returns) and (
+        schema.name in _UNANNOTATED
+        or all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
     packet = getattr(func, "overloadpacket", None)
-    return ((MAY_ALIAS if aliases else 0) | (SCORES if packet in SCORE_OPS else 0)
+    return ((MAY_ALIAS if aliases else 0) | (VIEW if views else 0)
+            | (SCORES if packet in SCORE_OPS else 0)
             | (FUSED if packet in FUSED_ATTENTION_OPS else 0))

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import (
 )
 
 from memprof.collect.frames import StackCapture
-from memprof.collect.op_facts import FUSED, MAY_ALIAS, SCORES, op_facts
+from memprof.collect.op_facts import FUSED, MAY_ALIAS, SCORES, VIEW, op_facts
 from memprof.collect.score_ops import is_square
 from memprof.trace.events import TraceEvent
 
@@ -202,7 +202,8 @@ class StorageTracker(_PlainMode):
         if self._trim_at is not None and len(self.events) > self._trim_at:
             self._trim()
         out = func(*args, **kwargs)
-        self._record(out, func, args, kwargs)
+        if not op_facts(func) & VIEW:  # a view's storage is its input's: nothing to record
+            self._record(out, func, args, kwargs)
         return out
 
     def take_trace(self) -> list[TraceEvent]:

@@ -40,4 +40,7 @@ RECORDED = (TraceEvent, OomEvent)
 
 def as_snapshot_events(events: list[Any]) -> list[dict[str, Any]]:
     """``events`` as a snapshot's trace holds them: dicts (recorded tuples converted)."""
-    return [e._asdict() if type(e) in RECORDED else e for e in events]
+    # a dict display: half the time of _asdict(), and a long trace has millions of events
+    return [{"action": e[0], "addr": e[1], "size": e[2], "stream": e[3], "time_us": e[4],
+             "frames": e[5]} if type(e) is TraceEvent
+            else e._asdict() if type(e) is OomEvent else e for e in events]
