@@ -15,7 +15,7 @@ from pathlib import Path
 from load_snapshot import Refuse
 
 from memprof.analysis.layout import lay_out
-from memprof.trace.events import TraceEvent, as_snapshot_events
+from memprof.trace.events import Stack, TraceEvent, as_snapshot_events
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT.parent / "shared" / "fixtures" / "snapshots" / \
@@ -45,6 +45,14 @@ def build(path: Path, events: int = 1_000_000, source: Path = FIXTURE) -> Path:
             if e["action"] in ("alloc", "free_requested", "free_completed")]
     program: list[TraceEvent] = []
     repeat, time_us = 0, 1_700_000_000_000_000
+    stacks: dict[int, Stack] = {}  # the recorders' form of each distinct frame list, shared
+
+    def stack_of(event: dict) -> Stack:
+        frames = event.get("frames", [])
+        if id(frames) not in stacks:
+            stacks[id(frames)] = tuple((f["name"], f["filename"], f["line"]) for f in frames)
+        return stacks[id(frames)]
+
     while len(program) < events:
         live: dict[int, dict] = {}
         for e in step:
@@ -54,13 +62,12 @@ def build(path: Path, events: int = 1_000_000, source: Path = FIXTURE) -> Path:
             elif e["addr"] not in live:
                 continue  # freed before the recorded step began
             time_us += 3
-            program.append(TraceEvent(e["action"], ident, e["size"], 0, time_us,
-                                      list(e.get("frames", []))))
+            program.append((e["action"], ident, e["size"], 0, time_us, stack_of(e)))
             if e["action"] == "free_completed":
                 del live[e["addr"]]
         for addr, e in live.items():  # the step's survivors die before the next step
             for action in ("free_requested", "free_completed"):
-                program.append(TraceEvent(action, (repeat, addr), e["size"], 0, time_us, []))
+                program.append((action, (repeat, addr), e["size"], 0, time_us, ()))
         repeat += 1
     layout = lay_out(program, consume=True)
     snapshot = {"segments": layout.segments, "device_traces": [as_snapshot_events(layout.trace)],

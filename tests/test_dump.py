@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from memprof.trace.dump import dump_snapshot
-from memprof.trace.events import OomEvent, TraceEvent, as_snapshot_events
+from memprof.trace.events import OomEvent, as_snapshot_events, snapshot_stack
 from memprof.trace.load import load_raw
 from memprof.trace.normalize import NotASnapshot, normalize
 
@@ -28,12 +28,12 @@ VIEWER_OPCODES = {
 def _recording(events: int) -> dict:
     """A recording's snapshot as memprof holds it: tuples sharing a few stacks, with labels
     and module paths longer than a chunk, and an out-of-memory record."""
-    stacks = [[{"name": f"f{k}", "filename": f"model{k % 3}.py", "line": k}] for k in range(40)]
+    stacks = [((f"f{k}", f"model{k % 3}.py", k),) for k in range(40)]
     trace: list = []
     for i in range(events // 3):
         frames = stacks[i % len(stacks)]
-        trace.append(TraceEvent("alloc", 4096 * i, 512 + i, 0, 1_700_000_000_000_000 + i, frames))
-        trace += [TraceEvent(a, 4096 * i, 512 + i, 0, 1_700_000_000_000_000 + i, frames)
+        trace.append(("alloc", 4096 * i, 512 + i, 0, 1_700_000_000_000_000 + i, frames))
+        trace += [(a, 4096 * i, 512 + i, 0, 1_700_000_000_000_000 + i, frames)
                   for a in ("free_requested", "free_completed")]
     trace.append(OomEvent("oom", 0, 1 << 40, 0, 123_456, 1_800_000_000_000_000, stacks[0]))
     allocs = range(0, len(trace) - 1, 3)
@@ -61,10 +61,10 @@ def test_a_recorded_trace_is_written_as_pytorch_dicts(events: int, tmp_path: Pat
     assert trace == as_snapshot_events(snapshot["device_traces"][0])
     assert trace[-1] == {"action": "oom", "addr": 0, "size": 1 << 40, "stream": 0,
                          "device_free": 123_456, "time_us": 1_800_000_000_000_000,
-                         "frames": snapshot["device_traces"][0][0].frames}
+                         "frames": snapshot_stack(snapshot["device_traces"][0][0][-1])}
     assert {k: v for k, v in loaded["memprof"].items() if k != "stacks"} == snapshot["memprof"]
     # each stack once, shared by every event that has it, across chunks, as torch dumps do
-    stacks = len({id(e.frames) for e in snapshot["device_traces"][0]})
+    stacks = len({id(e[-1]) for e in snapshot["device_traces"][0]})
     assert len({id(e["frames"]) for e in trace}) == len(loaded["memprof"]["stacks"]) == stacks
     assert {op.name for op, _, _ in pickletools.genops(data)} <= VIEWER_OPCODES
 
@@ -85,8 +85,10 @@ def test_normalize_reads_recorded_tuples_as_it_reads_their_dicts() -> None:
     assert a.frames(0) == b.frames(0)
 
 
-def test_a_trace_mixing_recorded_tuples_with_other_things_is_refused() -> None:
+@pytest.mark.parametrize("other", [{"action": "alloc", "addr": 1, "size": 2, "stream": 0},
+                                   ("alloc", 1, 2, 0, 3, (), "extra"), ("alloc", 1)])
+def test_a_trace_mixing_recorded_tuples_with_other_things_is_refused(other: object) -> None:
     recorded = _recording(30)
-    recorded["device_traces"][0].append(("alloc", 1, 2, 0, 3, []))
+    recorded["device_traces"][0].append(other)
     with pytest.raises(NotASnapshot, match="malformed event"):
         normalize(recorded)

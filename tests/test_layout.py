@@ -14,7 +14,7 @@ def _events(program: list[tuple[str, int, int]]) -> list[TraceEvent]:
     out = []
     for op, ident, size in program:
         actions = ("alloc",) if op == "alloc" else ("free_requested", "free_completed")
-        out += [TraceEvent(a, ident, size, 0, 0, []) for a in actions]
+        out += [(a, ident, size, 0, 0, ()) for a in actions]
     return out
 
 

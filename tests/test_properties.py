@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from memprof.analysis.explain import explain
 from memprof.analysis.layout import lay_out
-from memprof.trace.events import TraceEvent, as_snapshot_events
+from memprof.trace.events import as_snapshot_events
 from memprof.trace.normalize import normalize
 from tests.independent import peak_allocated
 
@@ -21,11 +21,11 @@ def record(program: list[tuple[bool, int, int]]) -> dict:
     events, live = [], []
     for n, (is_alloc, size, k) in enumerate(program):
         if is_alloc or not live:
-            events.append(TraceEvent("alloc", n, size, 0, 0, []))
+            events.append(("alloc", n, size, 0, 0, ()))
             live.append((n, size))
         else:
             ident, size = live.pop(k % len(live))
-            events += [TraceEvent(a, ident, size, 0, 0, [])
+            events += [(a, ident, size, 0, 0, ())
                        for a in ("free_requested", "free_completed")]
     layout = lay_out(events)
     return {"segments": layout.segments, "device_traces": [as_snapshot_events(layout.trace)]}

@@ -18,7 +18,18 @@ from typing import Any
 
 from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.blocks import Block, Segment
-from memprof.trace.events import OomEvent, TraceEvent
+from memprof.trace.events import (
+    ACTION,
+    ADDR,
+    SIZE,
+    STACK,
+    STREAM,
+    TIME_US,
+    OomEvent,
+    Stack,
+    TraceEvent,
+    snapshot_stack,
+)
 from memprof.trace.model import AllocatorSettings
 
 Event = TraceEvent | OomEvent
@@ -64,7 +75,7 @@ class Placer:
         self.trace: list[Event] = []
         self.position: array[int] = array("q")  # 8 bytes an event, not an int object
         self._blocks: dict[int, Block] = {}
-        self._stacks: dict[int, list] = {}  # alloc stacks of live blocks, by predicted address
+        self._stacks: dict[int, Stack] = {}  # alloc stacks of live blocks, by predicted address
         # the allocator's segments and their sizes when the trace last caught up with them
         self._segments: dict[int, Segment] = {}
         self._totals: dict[int, int] = {}
@@ -73,20 +84,20 @@ class Placer:
     def add(self, event: Event) -> None:
         """Place one event of the input trace."""
         alloc, out = self.alloc, self.trace
-        action = event.action
+        action = event[ACTION]
         if action == "alloc":
             try:
-                block = alloc.malloc(event.size, event.stream)
+                block = alloc.malloc(event[SIZE], event[STREAM])
             except BaseException:  # under a limit, cached segments went back to the device
-                self._catch_up(event.time_us, None)
+                self._catch_up(event[TIME_US], None)
                 raise
-            self._catch_up(event.time_us, event.frames)
+            self._catch_up(event[TIME_US], event[STACK])
             self.position.append(len(out))
-            self._blocks[event.addr] = block
-            self._stacks[block.addr] = event.frames
+            self._blocks[event[ADDR]] = block
+            self._stacks[block.addr] = event[STACK]
             out.append(_moved(event, block.addr))
         elif action in ("free_requested", "free_completed"):
-            recorded = event.addr
+            recorded = event[ADDR]
             block = self._blocks.get(recorded)
             if block is None:
                 self.position.append(-1)
@@ -119,7 +130,7 @@ class Placer:
         self.alloc.release_cached()
         self._catch_up(time_us, None)
 
-    def _catch_up(self, time_us: int, grown_by: list | None) -> None:
+    def _catch_up(self, time_us: int, grown_by: Stack | None) -> None:
         """Trace the segments the allocator has given back since the last catch-up, and with
         ``grown_by`` (the stack of the allocation that grew them) those it has grown.
 
@@ -132,13 +143,13 @@ class Placer:
         for addr, seg in before.items():
             if addr not in alloc.segments:
                 action = "segment_unmap" if seg.expandable else "segment_free"
-                self.trace.append(TraceEvent(action, addr, seg.total, seg.stream, time_us, []))
+                self.trace.append((action, addr, seg.total, seg.stream, time_us, ()))
         for seg in alloc.segments.values() if grown_by is not None else ():
             added = seg.total - totals.get(seg.addr, 0)
             if added > 0:
                 action = "segment_map" if seg.expandable else "segment_alloc"
                 addr = seg.addr + totals.get(seg.addr, 0) if seg.expandable else seg.addr
-                self.trace.append(TraceEvent(action, addr, added, seg.stream, time_us, grown_by))
+                self.trace.append((action, addr, added, seg.stream, time_us, grown_by))
         self._segments = dict(alloc.segments)
         self._totals = {addr: seg.total for addr, seg in alloc.segments.items()}
         self._changes = alloc.segment_changes
@@ -150,14 +161,16 @@ class Placer:
 
 
 def _moved(event: TraceEvent, addr: int) -> TraceEvent:
-    """``event`` at ``addr``: ``_replace``, without its Python-level cost per event."""
-    return tuple.__new__(TraceEvent, (event[0], addr, *event[2:]))
+    """``event`` at ``addr``."""
+    return (event[ACTION], addr, *event[SIZE:])
 
 
 def snapshot_segments(alloc: CachingAllocator, device: int = 0,
-                      stacks: dict[int, list] | None = None) -> list[dict[str, Any]]:
-    """The allocator's segments in the form ``torch.cuda.memory._snapshot()`` gives them."""
+                      stacks: dict[int, Stack] | None = None) -> list[dict[str, Any]]:
+    """The allocator's segments in the form ``torch.cuda.memory._snapshot()`` gives them
+    (``stacks``: the recorded stacks of the blocks allocated, by address)."""
     stacks = stacks or {}
+    frames: dict[int, dict[str, Any]] = {}  # shared between the blocks' lists
     out = []
     for seg in sorted(alloc.segments.values(), key=lambda s: s.addr):
         blocks = seg.blocks()
@@ -172,7 +185,7 @@ def snapshot_segments(alloc: CachingAllocator, device: int = 0,
             "blocks": [{"address": b.addr, "size": b.size, "requested_size": b.requested,
                         "state": "active_allocated" if b.allocated else
                         "inactive" if b.cached else "active_pending_free",
-                        "frames": stacks.get(b.addr, [])}
+                        "frames": snapshot_stack(stacks.get(b.addr, ()), frames)}
                        for b in blocks],
         })
     return out

@@ -25,6 +25,7 @@ from memprof.collect.labels import LabelHooks
 from memprof.collect.module_scope import ModuleScope
 from memprof.collect.storages import StorageTracker
 from memprof.collect.worker_batches import WorkerBatches
+from memprof.trace.events import ACTION
 
 SNAPSHOT_VERSION = 1
 
@@ -120,4 +121,4 @@ class CpuRecorder:
     def _modules(self) -> list[list[Any]]:
         paths = self._tracker.modules
         return [[i, paths[id(e)]] for i, e in enumerate(self._tracker.events)
-                if e.action == "alloc" and id(e) in paths]
+                if e[ACTION] == "alloc" and id(e) in paths]

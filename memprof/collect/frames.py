@@ -1,20 +1,22 @@
-"""Cheap Python stack capture in the snapshot's frame format, with interning.
+"""Cheap Python stack capture as recorded events hold stacks (``memprof.trace.events``), with
+interning.
 
 Identical frames and identical stacks are returned as the same objects, so a pickled
-trace stores each of them once.
+trace stores each of them once. They are tuples of strings and integers, which the
+cyclic garbage collector stops tracking.
 
     stacks = StackCapture()
     stacks.pin(sys._getframe())  # optional: the frames around the recording
-    frames = stacks.capture(sys._getframe())  # [{"name", "filename", "line"}, ...]
+    stack = stacks.capture(sys._getframe())  # ((name, filename, line), ...), innermost first
 """
 
 from __future__ import annotations
 
 import inspect
 from types import CodeType, FrameType
-from typing import TypeAlias
 
-Frame: TypeAlias = dict[str, str | int]
+from memprof.trace.events import Frame, Stack
+
 # memprof's own wrappers around the script's calls (zero_grad): left out of every stack
 HIDDEN_CODES: set[CodeType] = set()
 # a generator's or coroutine's frame is called from wherever it is resumed
@@ -26,7 +28,7 @@ class StackCapture:
 
     def __init__(self) -> None:
         self._frames: dict[tuple[int, int], Frame] = {}
-        self._stacks: dict[tuple[int, ...], list[Frame]] = {}
+        self._stacks: dict[tuple[int, ...], Stack] = {}
         # Code objects behind cached ids stay alive so that their ids are never reused.
         self._codes: list[CodeType] = []
         self._pinned: dict[int, FrameType] = {}
@@ -41,8 +43,8 @@ class StackCapture:
                 self._pinned[id(frame)] = frame  # held: its id is never reused meanwhile
             frame = frame.f_back
 
-    def capture(self, frame: FrameType | None) -> list[Frame]:
-        """Return the stack from `frame` outwards; the list is shared, do not mutate it."""
+    def capture(self, frame: FrameType | None) -> Stack:
+        """Return the stack from `frame` outwards (shared with every capture of it)."""
         # Keyed by instruction offset: O(1), where a line number needs a table scan. A key
         # that ends at a pinned frame has odd length: that frame's id stands for the rest.
         key: list[int] = []
@@ -61,7 +63,7 @@ class StackCapture:
             stack = self._stacks[stack_key] = self._build(frame)
         return stack
 
-    def _build(self, frame: FrameType | None) -> list[Frame]:
+    def _build(self, frame: FrameType | None) -> Stack:
         stack = []
         while frame is not None:
             code = frame.f_code
@@ -72,9 +74,8 @@ class StackCapture:
             key = (id(code), line)
             entry = self._frames.get(key)
             if entry is None:
-                entry = {"name": code.co_name, "filename": code.co_filename, "line": line}
-                self._frames[key] = entry
+                entry = self._frames[key] = (code.co_name, code.co_filename, line)
                 self._codes.append(code)
             stack.append(entry)
             frame = frame.f_back
-        return stack
+        return tuple(stack)

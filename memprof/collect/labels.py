@@ -14,7 +14,7 @@ import torch
 
 from memprof.collect.roles import RoleHooks
 from memprof.collect.storages import StorageTracker
-from memprof.trace.events import TraceEvent
+from memprof.trace.events import ACTION, TraceEvent
 from memprof.trace.model import (
     ACTIVATIONS,
     CATEGORIES,
@@ -42,7 +42,7 @@ class LabelHooks(RoleHooks):
         alive = {id(event) for event in survivors}
         labels: list[list[Any]] = []
         for index, event in enumerate(events):
-            if event.action == "alloc":
+            if event[ACTION] == "alloc":
                 key = id(event)
                 fallback = OTHER if key in alive else TEMPORARIES
                 known = self._tracker.known.get(key, fallback)

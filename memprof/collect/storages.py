@@ -8,7 +8,7 @@ the storage itself) reports the free.
 
     with StorageTracker() as tracker:
         train()
-    tracker.events  # [TraceEvent("alloc", addr, size, stream, time_us, frames), ...]
+    tracker.events  # [("alloc", addr, size, stream, time_us, stack), ...]: TraceEvents
     tracker.take_trace()  # the trace, moved out of the tracker
 
 Events are tuples (``memprof.trace.events``): a third of a dict's memory, and a long run
@@ -43,9 +43,8 @@ from torch.utils._python_dispatch import (
 from memprof.collect.frames import StackCapture
 from memprof.collect.op_facts import FUSED, MAY_ALIAS, SCORES, VIEW, op_facts
 from memprof.collect.score_ops import is_square
-from memprof.trace.events import TraceEvent
+from memprof.trace.events import ACTION, ADDR, SIZE, STREAM, TraceEvent
 
-_new_event = tuple.__new__
 # Addresses for storages without a usable data pointer (zero bytes, meta, fake, or a
 # pointer another live storage already reports): above every user-space pointer.
 SYNTHETIC_BASE = 1 << 48
@@ -233,7 +232,7 @@ class StorageTracker(_PlainMode):
                 key = st._cdata
                 ref = self._live.get(key)
                 if ref is not None:
-                    if ref.event.size == st.nbytes():
+                    if ref.event[SIZE] == st.nbytes():
                         continue
                     frame = frame or self._op_frame()
                     self._free(ref, frame)  # resized in place: a new block, like realloc
@@ -252,17 +251,17 @@ class StorageTracker(_PlainMode):
         """Drop the oldest events down to ``max_entries``, but for the alloc events of blocks
         not freed before the new first event; return the dropped indices, ascending."""
         cut = len(self.events) - self.max_entries  # type: ignore[operator]
-        if self.events[cut - 1].action == "free_requested":
+        if self.events[cut - 1][ACTION] == "free_requested":
             cut -= 1  # a free's two events stay together
         head = self.events[:cut]
         pending: dict[int, int] = {}  # addr -> index of the alloc of a block not yet freed
         keep: set[int] = set()
         for i, event in enumerate(head):
-            action = event.action
+            action = event[ACTION]
             if action == "alloc":
-                pending[event.addr] = i
+                pending[event[ADDR]] = i
             elif action == "free_completed":
-                pending.pop(event.addr, None)
+                pending.pop(event[ADDR], None)
             elif action != "free_requested":
                 keep.add(i)  # an out-of-memory record: rare, and the report's subject
         keep.update(pending.values())
@@ -302,9 +301,8 @@ class StorageTracker(_PlainMode):
         return frame
 
     def _alloc(self, st: torch.UntypedStorage, key: int, frame: FrameType | None) -> None:
-        # tuple.__new__: a NamedTuple's own __new__ is a Python function, twice the cost
-        event = _new_event(TraceEvent, ("alloc", self._address(st), st.nbytes(), 0,
-                                        self._now_us(), self._stacks.capture(frame)))
+        event = ("alloc", self._address(st), st.nbytes(), 0, self._now_us(),
+                 self._stacks.capture(frame))
         scope = self.scope
         if scope is not None and (path := scope()) is not None:
             self.modules[id(event)] = path
@@ -322,11 +320,10 @@ class StorageTracker(_PlainMode):
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
         del self._live[ref.key]
         alloc = ref.event
-        addr, size, stream = alloc.addr, alloc.size, alloc.stream
-        now, frames = self._now_us(), self._stacks.capture(frame)
-        self.events.extend((  # one call: nothing lands between them
-            _new_event(TraceEvent, ("free_requested", addr, size, stream, now, frames)),
-            _new_event(TraceEvent, ("free_completed", addr, size, stream, now, frames))))
+        addr, size, stream = alloc[ADDR], alloc[SIZE], alloc[STREAM]
+        now, stack = self._now_us(), self._stacks.capture(frame)
+        self.events.extend((("free_requested", addr, size, stream, now, stack),  # one call:
+                            ("free_completed", addr, size, stream, now, stack)))  # adjacent
         self._addrs.discard(addr)
         if addr >= SYNTHETIC_BASE:
             self._spare.append(addr)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
-from memprof.trace.events import RECORDED
+from memprof.trace.events import OomEvent, is_recorded
 from memprof.trace.fields import (
     MAX_ADDRESS,
     MAX_BYTES,
@@ -46,7 +46,8 @@ MAX_FRAMES = 1024  # innermost frames kept per stack; real stacks hold a few hun
 
 
 class FrameTable:
-    """Converts raw frame lists to shared :class:`Frame` tuples.
+    """Converts raw frame lists (and the stacks memprof's recorders hold, ``events.py``) to
+    shared :class:`Frame` tuples.
 
     Snapshots share frame dicts (and sometimes whole lists) between events (pickle
     memoisation), so caching by object identity converts each distinct one once, and a
@@ -69,12 +70,26 @@ class FrameTable:
             self._by_id[key] = cached
         return cached
 
+    def recorded_frame(self, raw: tuple) -> Frame:
+        """A frame as the recorders hold it: ``(name, filename, line)``."""
+        key = id(raw)
+        cached = self._by_id.get(key)
+        if cached is None:
+            name, filename, line = raw if len(raw) == 3 else ("??", "??", 0)
+            cached = Frame(filename if type(filename) is str else "??",
+                           line if type(line) is int and 0 <= line < 1 << 31 else 0,
+                           name if type(name) is str else "??")
+            self._by_id[key] = cached
+        return cached
+
     def frames(self, raw: object) -> Frames:
-        if type(raw) is not list:
+        kind = type(raw)
+        if kind is not list and kind is not tuple:
             return ()
         cached = self._lists.get(id(raw))
         if cached is None:
-            cached = tuple(self.frame(f) for f in raw[:MAX_FRAMES] if type(f) is dict)
+            convert, entry = (self.frame, dict) if kind is list else (self.recorded_frame, tuple)
+            cached = tuple(convert(f) for f in raw[:MAX_FRAMES] if type(f) is entry)
             self._lists[id(raw)] = cached
         return cached
 
@@ -234,7 +249,7 @@ def _trace(device: int, events: object, table: FrameTable) -> DeviceTrace:
     if type(events) is not list:
         raise NotASnapshot(f"{where} is not a list of events")
     try:
-        if events and type(events[0]) in RECORDED:
+        if events and is_recorded(events[0]):
             fields, free_at = _recorded_fields(events)
         else:
             fields, free_at = _raw_fields(events), _raw_device_free(events, where)
@@ -275,14 +290,17 @@ def _raw_device_free(events: list, where: str) -> Callable[[int], int]:
 
 
 def _recorded_fields(events: list) -> tuple[tuple, Callable[[int], int]]:
-    """The fields of a trace memprof recorded in this process (``events.py`` tuples)."""
-    if set(map(type, events)) - set(RECORDED):
+    """The fields of a trace memprof recorded in this process (``events.py`` tuples: six
+    fields, an OomEvent seven)."""
+    lengths = set(map(len, events)) if not set(map(type, events)) - {tuple, OomEvent} else {0}
+    if lengths - {6, 7} or (7 in lengths and any(type(e) is tuple and len(e) == 7
+                                                 for e in events)):
         raise TypeError("a recorded trace holds an event of another kind")
     n = len(events)
-    actions = list(map(attrgetter("action"), events))
-    addr, size, stream, times = (np.fromiter(map(attrgetter(k), events), np.int64, n)
-                                 for k in ("addr", "size", "stream", "time_us"))
-    frames = list(map(attrgetter("frames"), events))
+    actions = list(map(itemgetter(0), events))
+    addr, size, stream, times = (np.fromiter(map(itemgetter(k), events), np.int64, n)
+                                 for k in (1, 2, 3, -2))
+    frames = list(map(itemgetter(-1), events))
     return (actions, addr, size, stream, times, frames), lambda i: events[i].device_free
 
 

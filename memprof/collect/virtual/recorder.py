@@ -18,13 +18,13 @@ import torch
 from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.blocks import OutOfMemory
 from memprof.analysis.layout import Placer
-from memprof.collect.frames import Frame, StackCapture
+from memprof.collect.frames import StackCapture
 from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
 from memprof.collect.virtual.accumulate import ADD, accumulates_in_place
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.tensor import VirtualTensor
 from memprof.collect.virtual.workspaces import CublasWorkspaces, cublas_workspace_bytes
-from memprof.trace.events import OomEvent, TraceEvent
+from memprof.trace.events import ADDR, STACK, TIME_US, OomEvent, Stack, TraceEvent
 from memprof.trace.model import WORKSPACE, AllocatorSettings
 
 _COLLECT = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
@@ -33,8 +33,8 @@ _COLLECT = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
 class _UserStacks(StackCapture):
     """Stacks without memprof's own frames (the routing mode sits between user and torch)."""
 
-    def _build(self, frame: FrameType | None) -> list[Frame]:
-        return [f for f in super()._build(frame) if not str(f["filename"]).startswith(_COLLECT)]
+    def _build(self, frame: FrameType | None) -> Stack:
+        return tuple(f for f in super()._build(frame) if not f[1].startswith(_COLLECT))
 
 
 class VirtualRecorder(StorageTracker):
@@ -145,7 +145,7 @@ class VirtualRecorder(StorageTracker):
             self.events.pop()
             self.modules.pop(id(event), None)
             del self._live[key]
-            self._addrs.discard(event.addr)
+            self._addrs.discard(event[ADDR])
             error = self._oom(oom, event)
         else:
             error = None
@@ -168,7 +168,7 @@ class VirtualRecorder(StorageTracker):
     def _oom(self, oom: OutOfMemory, event: TraceEvent) -> torch.OutOfMemoryError:
         self.ooms += 1
         free = max(0, self.card.usable_bytes - oom.reserved)  # cudaMemGetInfo's free
-        record = OomEvent("oom", 0, oom.device_alloc, 0, free, event.time_us, event.frames)
+        record = OomEvent("oom", 0, oom.device_alloc, 0, free, event[TIME_US], event[STACK])
         self.events.append(record)  # type: ignore[arg-type]
         self.placer.add(record)
         return torch.OutOfMemoryError(oom_message(self.card, oom, free, self.allowed))
