@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import io
 import pickle
@@ -179,6 +180,15 @@ def test_identical_frames_are_shared(run) -> None:
     snapshot, _, _ = run
     frames = [frame for event in _events(snapshot) for frame in event["frames"]]
     assert len({id(f) for f in frames}) == len({tuple(f.items()) for f in frames})
+
+
+def test_the_collector_stops_tracking_the_recorded_events(run) -> None:
+    # else every full collection the script triggers would walk a million events
+    snapshot, _, _ = run
+    events = snapshot["device_traces"][0]
+    gc.collect()  # a pass may see an event before its stack, and untrack it on the next
+    gc.collect()
+    assert events and not any(gc.is_tracked(e) or gc.is_tracked(e[-1]) for e in events)
 
 
 def test_labels_cover_every_alloc_once(run) -> None:
