@@ -5,7 +5,9 @@ the README's CPU size) and minGPT's projects/chargpt.
 Whole commands (start-up, analysis and the run folder included) and each script's own
 per-iteration times, as it prints them: the whole command carries memprof's fixed cost,
 which a short run feels and a long one does not; an iteration's time is the recording's
-cost alone. The runs alternate, python then memprof, three times.
+cost alone. The floor of that cost is the script's iterations under a dispatch mode that
+does nothing (``TorchDispatchMode``, as the CPU recorder is one): every operator's trip
+through Python. The runs alternate, python, memprof, the bare mode, three times.
 
 The scripts are not part of memprof: fetch them (github:karpathy/nanoGPT,
 github:karpathy/minGPT) and pass the checkouts. Their data is synthetic, made here in a
@@ -32,6 +34,18 @@ import numpy as np
 from measure import Run, machine, run, write_table
 
 REPEAT = 3
+# The script under a dispatch mode that only calls each operator (memprof's own base class,
+# without Dynamo's wrapper, as the recorder runs): the floor of any such recorder's cost.
+BARE_MODE = """import os, runpy, sys
+from memprof.collect.storages import _PlainMode
+class Bare(_PlainMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+with Bare():
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 WARM_UP = 3  # iterations left out of the per-iteration median (allocator and cache warm-up)
 _NANOGPT_ITER = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", re.M)
 _MINGPT_ITER = re.compile(r"^iter_dt ([\d.]+)ms; iter (\d+):", re.M)
@@ -91,26 +105,29 @@ def measure(workload: Workload, tmp: Path) -> list[str]:
     plain_cmd = [sys.executable, *workload.argv]
     memprof_cmd = [sys.executable, "-m", "memprof", "run", "--device", "cpu", "--force", "-o",
                    str(tmp / "run"), *workload.argv]
+    bare_cmd = [sys.executable, "-c", BARE_MODE, *workload.argv]
     saved = dict(os.environ)
     os.environ.update(workload.env)
     try:
         run(plain_cmd, workload.cwd)  # warm the file cache and the imports
-        runs: dict[str, list[Run]] = {"python": [], "memprof": []}
-        iterations: dict[str, list[float]] = {"python": [], "memprof": []}
+        runs: dict[str, list[Run]] = {"python": [], "memprof": [], "bare": []}
+        iterations: dict[str, list[float]] = {"python": [], "memprof": [], "bare": []}
         for _ in range(REPEAT):
-            for key, cmd in (("python", plain_cmd), ("memprof", memprof_cmd)):
+            for key, cmd in (("python", plain_cmd), ("memprof", memprof_cmd),
+                             ("bare", bare_cmd)):
                 out = tmp / f"{key}.out"
                 runs[key].append(run(cmd, workload.cwd, stdout=out))
                 iterations[key] += workload.iteration_ms(out.read_text())
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    plain, profiled = (statistics.median(r.seconds for r in runs[k]) for k in runs)
-    plain_cpu, profiled_cpu = (statistics.median(r.cpu_seconds for r in runs[k]) for k in runs)
-    plain_it, profiled_it = (statistics.median(iterations[k]) for k in iterations)
+    plain, profiled, bare = (statistics.median(r.seconds for r in runs[k]) for k in runs)
+    plain_cpu, profiled_cpu, _ = (statistics.median(r.cpu_seconds for r in runs[k])
+                                  for k in runs)
+    plain_it, profiled_it, bare_it = (statistics.median(iterations[k]) for k in iterations)
     return [workload.name, f"{plain:.2f}", f"{profiled:.2f}", f"{profiled / plain:.2f}",
-            f"{profiled_cpu / plain_cpu:.2f}", f"{plain_it:.1f}", f"{profiled_it:.1f}",
-            f"{profiled_it / plain_it:.2f}"]
+            f"{profiled_cpu / plain_cpu:.2f}", f"{bare / plain:.2f}", f"{plain_it:.1f}",
+            f"{profiled_it:.1f}", f"{profiled_it / plain_it:.2f}", f"{bare_it / plain_it:.2f}"]
 
 
 def main() -> None:
@@ -130,12 +147,15 @@ def main() -> None:
         for workload in workloads:
             rows.append(measure(workload, tmp))
     write_table("real_scripts", ["script", "python s", "memprof s", "time ratio",
-                                 "CPU time ratio", "iteration ms (python)",
-                                 "iteration ms (memprof)", "iteration ratio"], rows,
+                                 "CPU time ratio", "time ratio, a bare dispatch mode",
+                                 "iteration ms (python)",
+                                 "iteration ms (memprof)", "iteration ratio",
+                                 "iteration ratio, a bare dispatch mode"], rows,
                 "Whole commands in fresh processes (OMP_NUM_THREADS=1), python and memprof"
                 " alternating, medians of three; CPU time is user + system. Iteration times"
                 f" are the scripts' own, from iteration {WARM_UP} on, medians over the three"
-                " runs: the recording's cost with no start-up or analysis in it. Synthetic"
+                " runs: the recording's cost with no start-up or analysis in it; a bare"
+                " dispatch mode's iterations are its floor. Synthetic"
                 f" data; fetched checkouts, not part of memprof. Target: 1.3x. {machine()}.")
 
 
