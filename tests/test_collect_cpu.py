@@ -21,6 +21,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import memprof
 from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.storages import StorageTracker
 from memprof.trace.dump import dump_snapshot
 from memprof.trace.events import as_snapshot_events
 from memprof.trace.model import CATEGORIES
@@ -401,3 +402,15 @@ def test_batches_from_worker_processes_are_recorded_where_the_loop_takes_them() 
     assert len(batches[0]) == len(batches[2]) == 4
     here = sys._getframe().f_code.co_name
     assert all(any(f["name"] == here for f in e["frames"]) for e in batches[2])
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_views_make_nothing_and_a_reshape_that_copies_is_recorded(grad_mode) -> None:
+    # under inference_mode reshape reaches the recorder whole: its schema says it may alias
+    x = torch.randn(4, 16, 8, 8)
+    with grad_mode(), StorageTracker() as tracker:
+        t = x.permute(0, 2, 1, 3)[1:].transpose(0, 1)  # views alone
+        y = x.permute(0, 2, 1, 3).reshape(4, 8, -1)  # a copy: not contiguous
+    assert t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert [(e[0], e[2]) for e in tracker.events] == [("alloc", 4 * 16 * 8 * 8 * 4)]
+    assert tracker.events[0][1] == y.untyped_storage().data_ptr()

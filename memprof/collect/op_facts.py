@@ -3,16 +3,21 @@
 Whether an output's storage can be one of the inputs' storages: only if the schema gives a
 return an alias annotation (views, in-place and ``out=`` ops), for the few aten ops that
 alias without saying so (``_unsafe_view``), and for any op outside aten, whose schema is
-not checked (c10d's collectives return their inputs unannotated). Whether every output is
-a view of an input (an alias annotation that does not write): such an op, half of a
-forward pass's, makes no storage, and the tracker skips it. And whether a new output can
-be attention scores or comes from a fused attention kernel (``score_ops.py``).
+not checked (c10d's collectives return their inputs unannotated). Whether the op is a
+view (autograd's ADInplaceOrView kernel, and returns that alias without writing): half of
+a forward pass's operators, they make no storage, and the tracker skips them. The
+annotation alone would not do: a composite op that may alias (``reshape``, ``to``,
+``contiguous``) reaches the tracker whole under ``inference_mode`` and copies when it must.
+And whether a new output can be attention scores or comes from a fused attention kernel
+(``score_ops.py``).
 
     facts = op_facts(torch.ops.aten.mm.default)
     facts & MAY_ALIAS  # 0: mm's output never shares an input's storage
 """
 
 from __future__ import annotations
+
+import torch
 
 from memprof.collect.score_ops import FUSED_ATTENTION_OPS, SCORE_OPS
 
@@ -45,10 +50,10 @@ def _decide(func: object) -> int:
     aten = schema is not None and getattr(func, "namespace", None) == "aten"
     aliases = (not aten or schema.name in _UNANNOTATED
                or any(r.alias_info is not None for r in schema.returns))
-    # lift_fresh returns its input, whose storage torch.tensor() made outside any operator
-    views = aten and schema.name != "aten::lift_fresh" and bool(schema.returns) and (
-        schema.name in _UNANNOTATED
-        or all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns))
+    views = (aten and bool(schema.returns)
+             and all(r.alias_info is not None and not r.alias_info.is_write
+                     for r in schema.returns)
+             and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "ADInplaceOrView"))
     packet = getattr(func, "overloadpacket", None)
     return ((MAY_ALIAS if aliases else 0) | (VIEW if views else 0)
             | (SCORES if packet in SCORE_OPS else 0)
