@@ -21,6 +21,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import memprof
 from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.frames import StackCapture
 from memprof.collect.storages import StorageTracker
 from memprof.trace.dump import dump_snapshot
 from memprof.trace.events import as_snapshot_events
@@ -414,3 +415,28 @@ def test_views_make_nothing_and_a_reshape_that_copies_is_recorded(grad_mode) -> 
     assert t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     assert [(e[0], e[2]) for e in tracker.events] == [("alloc", 4 * 16 * 8 * 8 * 4)]
     assert tracker.events[0][1] == y.untyped_storage().data_ptr()
+
+
+def test_stacks_inside_modules_are_those_a_full_walk_gives(monkeypatch) -> None:
+    # each running module's call frame ends the walk of captures inside it: same stacks
+    def record() -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
+        with CpuRecorder() as recorder:
+            for _ in range(2):
+                model(torch.randn(3, 4)).sum().backward()
+        return [e[-1] for e in recorder.snapshot()["device_traces"][0]]
+
+    holds = Counter()  # not the frames: holding one would keep its tensors alive
+    hold = StackCapture.hold
+    monkeypatch.setattr(StackCapture, "hold", lambda self, f: holds.update(["held"])
+                        or hold(self, f))
+    stacks = []
+    for walk_all in (False, True):  # one call site for both
+        if walk_all:
+            monkeypatch.setattr(StackCapture, "hold", lambda self, frame: None)
+        stacks.append(record())
+    assert holds["held"] == 2 * 5  # every module call
+    frames = {frame for stack in stacks[0] for frame in stack}
+    assert any(name == "forward" and file.endswith("linear.py") for name, file, _ in frames)
+    assert stacks[0] == stacks[1]

@@ -24,38 +24,58 @@ _RESUMABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENE
 
 
 class StackCapture:
-    """Turns live Python frames into interned lists of frame dicts, innermost first."""
+    """Turns live Python frames into interned stacks of frame tuples, innermost first."""
 
     def __init__(self) -> None:
         self._frames: dict[tuple[int, int], Frame] = {}
         self._stacks: dict[tuple[int, ...], Stack] = {}
         # Code objects behind cached ids stay alive so that their ids are never reused.
         self._codes: list[CodeType] = []
-        self._pinned: dict[int, FrameType] = {}
+        # id(frame) -> a token for the stack from that frame outwards, and the frames
+        # themselves, held so that their ids are never reused while they are known
+        self._tokens: dict[int, int] = {}
+        self._held: dict[int, FrameType] = {}
 
     def pin(self, frame: FrameType | None) -> None:
         """Note the frames from ``frame`` outwards (those around a recording), or forget
-        them (None). While a function's frame runs, the frames outside it stay as they
-        are, so a stack that reaches one of these is known from there on without walking."""
-        self._pinned = {}
+        every known frame (None). While a function's frame runs, the frames outside it stay
+        as they are, so a stack that reaches one of these is known from there on without
+        walking."""
+        self._tokens, self._held = {}, {}
         while frame is not None:
             if not frame.f_code.co_flags & _RESUMABLE:
-                self._pinned[id(frame)] = frame  # held: its id is never reused meanwhile
+                self._tokens[id(frame)] = id(frame)
+                self._held[id(frame)] = frame
             frame = frame.f_back
+
+    def hold(self, frame: FrameType) -> None:
+        """Know the stack from ``frame`` outwards while that frame runs a call whose frames
+        stay as they are (a module's ``_call_impl`` around its forward), until ``release``:
+        captures inside it walk only the frames within. Deep stacks (a trainer, a model's
+        nested modules) then cost what their innermost frames cost."""
+        token = id(self.capture(frame))  # interned: its id is the outer stack's, for good
+        self._tokens[id(frame)] = token
+        self._held[id(frame)] = frame
+
+    def release(self, frame: FrameType) -> None:
+        """Forget a frame ``hold`` noted (its call is returning)."""
+        self._tokens.pop(id(frame), None)
+        self._held.pop(id(frame), None)
 
     def capture(self, frame: FrameType | None) -> Stack:
         """Return the stack from `frame` outwards (shared with every capture of it)."""
         # Keyed by instruction offset: O(1), where a line number needs a table scan. A key
-        # that ends at a pinned frame has odd length: that frame's id stands for the rest.
+        # that stops at a known frame has odd length: its token stands for it and the rest.
         key: list[int] = []
-        pinned = self._pinned
+        tokens = self._tokens
         f = frame
         while f is not None:
+            token = tokens.get(id(f))
+            if token is not None:
+                key.append(token)
+                break
             key.append(id(f.f_code))
             key.append(f.f_lasti)
-            if id(f) in pinned:
-                key.append(id(f))
-                break
             f = f.f_back
         stack_key = tuple(key)
         stack = self._stacks.get(stack_key)

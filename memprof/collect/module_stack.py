@@ -65,6 +65,10 @@ class ModuleStack:
         stack = getattr(self._local, "stack", None)  # asked at every allocation: no call
         return stack[-1][1] if stack else self.in_backward()
 
+    def depth(self) -> int:
+        """How many modules' forwards are running on this thread."""
+        return len(getattr(self._local, "stack", ()))
+
     def in_backward(self) -> str | None:
         """The module whose forward made the autograd node this thread runs (None: none)."""
         node = torch._C._current_autograd_node()

@@ -216,6 +216,14 @@ class StorageTracker(_PlainMode):
         return [ref.event for st in storages_behind(t)
                 if (ref := live.get(st._cdata)) is not None]
 
+    def hold_frame(self, frame: FrameType) -> None:
+        """``frame`` runs a module's call: stacks captured inside it stop walking there
+        (``StackCapture.hold``), until ``release_frame``."""
+        self._stacks.hold(frame)
+
+    def release_frame(self, frame: FrameType) -> None:
+        self._stacks.release(frame)
+
     def adopt_shared(self, st: torch.UntypedStorage, frame: FrameType | None) -> None:
         """Record ``st``, a storage mapped from another process (a DataLoader worker's
         batch, ``worker_batches.py``), as allocated now, where ``frame`` runs."""
