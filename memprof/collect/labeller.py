@@ -15,9 +15,7 @@ kernels are unchanged.
 
 from __future__ import annotations
 
-import functools
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,9 +37,10 @@ from memprof.collect.hook_modules import Mark, Owner, module_trace
 from memprof.collect.module_stack import ModuleStack
 from memprof.collect.roles import RoleHooks
 from memprof.collect.storages import storages_behind
+from memprof.collect.weak_ids import WeakIdMap
 from memprof.trace.model import ACTIVATIONS, EVAL_ACTIVATIONS, GRADIENTS
 
-_Noted = dict[int, tuple[weakref.ref, object]]
+_Noted = WeakIdMap[tuple[object, str]]
 
 
 def epoch_us() -> int:
@@ -65,11 +64,11 @@ class HookLabeller(RoleHooks):
         self._owner: str | None = None  # the module whose pre-hook marks its own tensors
         self._in_backward = False  # an end-of-backward callback is queued
         self._exit_hook: RemovableHandle | None = None
-        # id(tensor) -> (weak reference, (data pointer, category) last noted): a parameter
+        # tensor -> (data pointer, category) last noted: a parameter
         # seen at every forward is noted once while its storage stays (activations are new
         # tensors every time); and likewise for its module
-        self._noted: _Noted = {}
-        self._owned: _Noted = {}
+        self._noted: _Noted = WeakIdMap()
+        self._owned: _Noted = WeakIdMap()
 
     def __enter__(self) -> HookLabeller:
         self.install()
@@ -175,27 +174,14 @@ class HookLabeller(RoleHooks):
             if nbytes:
                 into.append(Sighting(at, st.data_ptr(), nbytes, category))
 
-    def _noted_before(self, noted: _Noted, t: torch.Tensor, what: str) -> bool:
+    @staticmethod
+    def _noted_before(noted: _Noted, t: torch.Tensor, what: str) -> bool:
         """Whether ``noted`` has ``t`` as ``what`` at its present address (and note it)."""
         try:
             where: object = t.data_ptr()
         except RuntimeError:  # a wrapper subclass: no storage of its own
             where = tuple(st.data_ptr() for st in storages_behind(t))
-        # a dict by id with a weak reference to check: torch's WeakIdKeyDictionary costs
-        # a tenth of a training step of small operators here
-        key = id(t)
-        seen = noted.get(key)
-        if seen is not None and seen[0]() is t:
-            if seen[1] == (where, what):
-                return True
-            noted[key] = (seen[0], (where, what))
-            return False
-        noted[key] = (weakref.ref(t, functools.partial(self._forget, noted, key)),
-                      (where, what))
+        if noted.get(t) == (where, what):
+            return True
+        noted[t] = (where, what)
         return False
-
-    @staticmethod
-    def _forget(noted: _Noted, key: int, ref: weakref.ref) -> None:
-        seen = noted.get(key)
-        if seen is not None and seen[0] is ref:
-            del noted[key]

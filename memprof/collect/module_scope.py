@@ -69,9 +69,10 @@ class ModuleScope:
         if held and not self._stack.depth():  # no module runs: an interrupted call's
             self._release(held, 0)
         path = self._stack.enter(module)
-        for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-            for event in self._tracker.alloc_events(t):
-                self._tracker.modules.setdefault(id(event), path)
+        for t in (*module._parameters.values(), *module._buffers.values()):
+            if t is not None:
+                for event in self._tracker.alloc_events(t):
+                    self._tracker.modules.setdefault(id(event), path)
         frame = sys._getframe(1).f_back  # the hook's caller (inner) is called by _call_impl
         if frame is not None and frame.f_code is _CALL_IMPL:
             self._tracker.hold_frame(frame)

@@ -20,7 +20,8 @@ from bisect import bisect_right
 from pathlib import Path
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+
+from memprof.collect.weak_ids import WeakIdMap
 
 _TORCH = str(Path(torch.__file__).resolve().parent)
 _Running = tuple[torch.nn.Module, str]
@@ -37,7 +38,7 @@ class ModuleStack:
     def __init__(self) -> None:
         self.files: set[str] = set()  # files defining the seen modules' forward, outside torch
         self._local = threading.local()
-        self._paths = WeakIdKeyDictionary()  # module -> path
+        self._paths: WeakIdMap[str] = WeakIdMap()  # module -> path
         # where the innermost module changed in forward: sequence numbers, and the path from
         # there on (None: outside every module)
         self._starts: list[int] = []

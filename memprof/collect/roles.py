@@ -114,8 +114,9 @@ class RoleHooks:
             self._mark(p.grad, GRADIENTS)
 
     def _mark_buffers(self, module: torch.nn.Module) -> None:
-        for b in module.buffers(recurse=False):
-            self._mark(b, BUFFERS)
+        for b in module._buffers.values():  # buffers(recurse=False) costs 2 µs a call
+            if b is not None:
+                self._mark(b, BUFFERS)
 
     def _watch_param(self, p: torch.Tensor) -> None:
         self._mark_param(p)
@@ -135,8 +136,9 @@ class RoleHooks:
         self._forward.before(module)
         if self._autocast is None and torch.is_autocast_enabled("cuda"):
             self._autocast = str(torch.get_autocast_dtype("cuda")).removeprefix("torch.")
-        for p in module.parameters(recurse=False):
-            self._watch_param(p)
+        for p in module._parameters.values():
+            if p is not None:
+                self._watch_param(p)
         self._mark_buffers(module)
 
     def _on_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
