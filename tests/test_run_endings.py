@@ -135,3 +135,41 @@ def test_manual_sgd_says_why_there_are_no_steps(tmp_path: Path) -> None:
     assert run["optimizer_steps"] == 0 and "optimizer.step()" in run["no_steps_reason"]
     assert device["steps"] == [] and device["leak"] is None
     assert device["step_growth"]["verdict"] == "no_steps"
+
+
+# A thread sends the signals as soon as the script has ended (memprof restores sys.argv):
+# they land in memprof's own work after the script, where a Ctrl-C once lost the report.
+AFTER_THE_SCRIPT = """\
+import os, signal, sys, threading, time, torch
+x = torch.ones(1024)
+
+
+def interrupt(script=sys.argv[0]):
+    while sys.argv[0] == script:
+        time.sleep(0.001)
+    for _ in range({times}):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+
+
+threading.Thread(target=interrupt, daemon=True).start()
+"""
+
+
+def test_ctrl_c_after_the_script_still_writes_the_report(tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text(AFTER_THE_SCRIPT.format(times=1))
+    result = memprof_run(tmp_path, "--device", "cpu", "-o", "out", "t.py")
+    assert result.code == 0, result.stderr
+    assert "writing the report; press Ctrl-C again to abandon it" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "report.json", "snapshot.pickle", "timeline.png"]
+    assert report(tmp_path / "out")["run"]["exit"]["status"] == "completed"
+
+
+def test_a_second_ctrl_c_abandons_the_report_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text(AFTER_THE_SCRIPT.format(times=2))
+    result = memprof_run(tmp_path, "--device", "cpu", "-o", "out", "t.py")
+    assert result.code == 130, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "memprof: error: interrupted while writing the report")
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]

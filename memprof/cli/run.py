@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -13,9 +14,6 @@ from rich.console import Console
 
 from memprof.errors import MemprofError
 
-# Default ring buffers: the GPU's allocator history keeps its events in C++; memprof's own
-# recorders keep Python objects, so their window is smaller (recording and analysing it
-# stay well under 100 MB).
 # PyTorch's allocator history and memprof's recorders alike: enough for the few steps a memory
 # profile needs; a longer run keeps its last events (and every allocation still alive)
 DEFAULT_MAX_ENTRIES = 1_000_000
@@ -25,6 +23,7 @@ if TYPE_CHECKING:
     from memprof.collect.launch import Target
     from memprof.collect.session import Recording
     from memprof.collect.virtual.cards import Card
+    from memprof.report.background_plot import BackgroundPlot
 
 
 def run(
@@ -96,6 +95,7 @@ def run(
     from memprof.collect import cuda, session
     from memprof.collect.endings import finishing
     from memprof.heap import frozen
+    from memprof.report.background_plot import BackgroundPlot
     from memprof.report.run_folder import claim, file_names, run_folder
 
     if device not in ("auto", "cpu", "cuda"):
@@ -123,25 +123,36 @@ def run(
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     profile_path = folder / names["profile"] if profile else None
     parent = os.getpid()
-    if card is not None:
-        from memprof.collect.virtual.session import record_virtual
+    ended = False
+    with BackgroundPlot() as plot, ExitStack() as after_script:
+        def script_ended() -> None:
+            nonlocal ended
+            ended = True
+            # a Ctrl-C or SIGTERM from now on only says so, a second abandons the report
+            after_script.enter_context(finishing())
+            plot.start()  # matplotlib loads while the trace is analysed
 
-        announce = None if virtual_gpu else (
-            f"memprof: no GPU here: CUDA runs on a virtual {card.name} (--virtual-gpu SPEC for"
-            " another card, --device cpu to record host tensors instead)")
-        recording = record_virtual(target, card, settings, profile_path, announce, steps,
-                                   seconds, max_entries)
-    else:
-        recording = session.record(target, use_cuda, max_entries,
-                                   settings, profile_path, steps, seconds)
-    if os.getpid() != parent:  # a child the script forked ran out its copy of the script
-        raise typer.Exit(recording.outcome.exit_code)
-    with finishing(), frozen():  # the script has ended: its objects wait for the exit
         try:
-            code = _finish(recording, target, folder, names, settings.conf, started, top, limit)
+            if card is not None:
+                from memprof.collect.virtual.session import record_virtual
+
+                announce = None if virtual_gpu else (
+                    f"memprof: no GPU here: CUDA runs on a virtual {card.name} (--virtual-gpu"
+                    " SPEC for another card, --device cpu to record host tensors instead)")
+                recording = record_virtual(target, card, settings, profile_path, announce,
+                                           steps, seconds, max_entries, script_ended)
+            else:
+                recording = session.record(target, use_cuda, max_entries, settings,
+                                           profile_path, steps, seconds, script_ended)
+            if os.getpid() != parent:  # a child the script forked ran out its copy of it
+                raise typer.Exit(recording.outcome.exit_code)
+            with frozen():  # the script has ended: its objects wait for the exit
+                code = _finish(recording, target, folder, names, settings.conf, started, top,
+                               limit, plot)
         except KeyboardInterrupt:
-            raise MemprofError(f"interrupted while writing the report: {folder} holds only"
-                               " whole files; run again for a full report",
+            what = (f"while writing the report: {folder} holds only whole files" if ended else
+                    "before the script started")
+            raise MemprofError(f"interrupted {what}; run again for a full report",
                                exit_code=130) from None
         except OSError as exc:
             raise MemprofError(f"{folder}: cannot write the report ({exc.strerror or exc});"
@@ -155,9 +166,10 @@ def run(
 
 
 def _finish(recording: Recording, target: Target, folder: Path, names: dict[str, str],
-            conf: str, started: str, top: int, limit: int | None) -> int:
-    """Analyse a recording, write the run folder's files and print the summary; return
-    the exit code (the script's, or 1 when its peak broke ``--max-peak``)."""
+            conf: str, started: str, top: int, limit: int | None, plot: BackgroundPlot) -> int:
+    """Analyse a recording, write the run folder's files (the timeline by ``plot``) and
+    print the summary; return the exit code (the script's, or 1 when its peak broke
+    ``--max-peak``)."""
     import torch
 
     from memprof.analysis.explain import explain
@@ -165,6 +177,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     from memprof.heap import trim
     from memprof.report.console import NO_STEPS_RECORDED
     from memprof.report.json import report_dict, write_json
+    from memprof.report.plot import timeline_panels, timeline_title
     from memprof.report.run_folder import write_snapshot
     from memprof.report.run_summary import render_run
     from memprof.report.text import plain
@@ -181,7 +194,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     trim()
     findings = explain(snapshot, str(folder / names["snapshot"]), top=top)
     del snapshot
-    trim()  # and the analysis's scratch memory, before matplotlib is loaded
+    trim()  # and the analysis's scratch memory
     outcome = recording.outcome
     facts = {
         "command": ["memprof", "run", *(["-m"] if target.module else []), target.name,
@@ -204,12 +217,11 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     }
     write_json(report_dict(findings, "run", facts), folder / names["report"])
     if findings.devices:
-        from memprof.report.plot import plot_timeline  # matplotlib: after the trace is written
-
-        plot_timeline(findings, folder / names["timeline"], " ".join(facts["command"][2:]))
         if rank == 0:
             for d in findings.devices:
                 render_run(d, facts, notes)
+        title = timeline_title(findings, " ".join(facts["command"][2:]))
+        plot.draw(timeline_panels(findings), title, folder / names["timeline"])
     elif rank == 0 and recording.virtual_gpu:
         notes.print(plain(f"memprof: the script made no CUDA tensor, so the virtual"
                           f" {recording.virtual_gpu['spec']} held nothing; --device cpu"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,14 +38,15 @@ class Recording:
 
 def record(target: Target, use_cuda: bool, max_entries: int, settings: AllocatorSettings,
            profile_to: Path | None = None, steps: int | None = None,
-           seconds: float | None = None) -> Recording:
+           seconds: float | None = None, ended: Callable[[], None] | None = None) -> Recording:
     """Run ``target`` once under memprof's recorders (and torch.profiler, with ``profile_to``),
-    stopping it after ``steps`` optimizer steps or ``seconds`` when given."""
+    stopping it after ``steps`` optimizer steps or ``seconds`` when given; ``ended`` is
+    called as soon as the script has ended, before memprof's own work on the trace."""
     if use_cuda:
-        return record_cuda(target, max_entries, profile_to, steps, seconds)
+        return record_cuda(target, max_entries, profile_to, steps, seconds, ended)
     recorder = CpuRecorder(StorageTracker(max_entries))
     with recorder:
-        outcome, seconds = run_profiled(target, profile_to, steps, seconds)
+        outcome, seconds = run_profiled(target, profile_to, steps, seconds, ended)
     trim()  # what the script freed, before memprof's own work on the trace
     with frozen():
         snapshot = predict_cuda_layout(recorder.snapshot(), settings)
@@ -52,14 +54,14 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
 
 
 def record_cuda(target: Target, max_entries: int, profile_to: Path | None, steps: int | None,
-                seconds: float | None) -> Recording:
+                seconds: float | None, ended: Callable[[], None] | None = None) -> Recording:
     """The GPU path: the caching allocator's history is the trace, labelled by role hooks
     alone (no dispatch mode: the program runs as it would without memprof)."""
     history = cuda.CudaHistory(max_entries)
     labeller = HookLabeller()
     history.start()
     with labeller:
-        outcome, seconds = run_profiled(target, profile_to, steps, seconds)
+        outcome, seconds = run_profiled(target, profile_to, steps, seconds, ended)
     device = torch_device()
     snapshots = [s for s in (history.stop(), history.oom_snapshot) if s is not None]
     for snapshot in snapshots:
@@ -71,9 +73,10 @@ def record_cuda(target: Target, max_entries: int, profile_to: Path | None, steps
 
 
 def run_profiled(target: Target, profile_to: Path | None, steps: int | None,
-                 seconds: float | None) -> tuple[Outcome, float]:
+                 seconds: float | None, ended: Callable[[], None] | None = None
+                 ) -> tuple[Outcome, float]:
     """Run ``target`` (under torch.profiler with ``profile_to``; stopped after ``steps`` or
-    ``seconds``): how it ended and how long it took."""
+    ``seconds``; then call ``ended``): how it ended and how long it took."""
     profiler = StepWindowProfiler(profile_to) if profile_to is not None else None
     start = time.perf_counter()
     if profiler is not None:
@@ -81,10 +84,13 @@ def run_profiled(target: Target, profile_to: Path | None, steps: int | None,
     try:
         with stops(steps, seconds), applied(requested()):
             outcome = run(target)
+        took = time.perf_counter() - start
+        if ended is not None:
+            ended()
     finally:
         if profiler is not None:
             profiler.stop()
-    return outcome, time.perf_counter() - start
+    return outcome, took
 
 
 def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,

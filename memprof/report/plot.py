@@ -1,21 +1,40 @@
-"""PNG plots of memory over time."""
+"""PNG plots of memory over time: the points to draw (`timeline_panels`, numpy alone) and
+the drawing (`draw_timeline`, matplotlib). Importing matplotlib takes a third of a second,
+so ``memprof run`` draws in a child process that loads it while the trace is analysed
+(`background_plot`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 
-from memprof.analysis.findings import Findings
 from memprof.report.files import write_atomic
+
+if TYPE_CHECKING:
+    from memprof.analysis.findings import Findings
 
 # Points kept per panel: a few per pixel column of the 1,100-pixel-wide figure. A long
 # trace's millions of steps would cost matplotlib hundreds of MiB and draw the same pixels.
 _BUCKETS = 2048
+_TITLE_CHARS = 130  # at the title's font size, what fits across the figure
+
+
+@dataclass(frozen=True, slots=True)
+class Panel:
+    """One device's timeline as drawn: the kept points, already in ``unit``."""
+
+    device: int
+    x: np.ndarray  # seconds since the first event, or event numbers
+    xlabel: str
+    unit: str
+    reserved: np.ndarray
+    allocated: np.ndarray  # drawn as one line where there are no categories
+    categories: dict[str, np.ndarray] | None  # allocated bytes stacked by category
+    peak: int  # index of the peak in the kept points
+    peak_label: str
 
 
 def _unit(peak: int) -> tuple[str, float]:
@@ -25,13 +44,13 @@ def _unit(peak: int) -> tuple[str, float]:
     return "B", 1.0
 
 
-def _kept(allocated: np.ndarray, reserved: np.ndarray, peak: int) -> np.ndarray | slice:
+def _kept(allocated: np.ndarray, reserved: np.ndarray, peak: int) -> np.ndarray:
     """The points to draw: all of a short timeline; of a long one, each of ``_BUCKETS``
     slices' first point and the highest and lowest allocated and reserved points in it
     (a step plot through them has the full one's outline), the peak and the last."""
     n = len(allocated)
     if n <= 4 * _BUCKETS:
-        return slice(None)
+        return np.arange(n)
     width = -(-n // _BUCKETS)
     starts = np.arange(0, n, width)
     kept = [starts, np.array([peak, n - 1])]
@@ -41,46 +60,72 @@ def _kept(allocated: np.ndarray, reserved: np.ndarray, peak: int) -> np.ndarray 
     return np.unique(np.concatenate(kept))
 
 
-def plot_timeline(findings: Findings, path: Path, title: str | None = None,
-                  overwrite: bool = False) -> None:
-    """Allocated (stacked by category where exact) and reserved bytes over time, one panel per
-    device, the peak marked."""
-    devices = findings.devices
-    fig, axes = plt.subplots(len(devices), 1, figsize=(10, 3.2 * len(devices)), squeeze=False)
-    for ax, d in zip(axes[:, 0], devices, strict=True):
+def timeline_panels(findings: Findings) -> list[Panel]:
+    """One panel per device of ``findings``, reduced to the points worth drawing."""
+    panels = []
+    for d in findings.devices:
         t = d.timeline
         unit, scale = _unit(max(d.peak_reserved_bytes, d.peak_allocated_bytes))
         if t.time_us is not None and len(t.time_us):
             x = np.concatenate([[t.time_us[0]], t.time_us]).astype(float)
-            x = (x - x[0]) / 1e6
-            ax.set_xlabel("seconds since the first recorded event")
+            x, xlabel = (x - x[0]) / 1e6, "seconds since the first recorded event"
         else:
-            x = np.arange(-1, len(t.allocated) - 1)
-            ax.set_xlabel("event")
-        peak = d.peak_event_index + 1
-        kept = _kept(t.allocated, t.reserved, peak)
-        ax.step(x[kept], t.reserved[kept] / scale, where="post", label="reserved",
-                color="black", linewidth=1)
-        if d.category_timeline is not None:
-            ax.stackplot(x[kept], *(v[kept] / scale for v in d.category_timeline.values()),
-                         step="post", labels=[k.replace("_", " ") for k in d.category_timeline],
-                         alpha=0.8)
+            x, xlabel = np.arange(-1, len(t.allocated) - 1), "event"
+        kept = _kept(t.allocated, t.reserved, d.peak_event_index + 1)
+        categories = None if d.category_timeline is None else {
+            name: v[kept] / scale for name, v in d.category_timeline.items()}
+        panels.append(Panel(
+            d.device, x[kept], xlabel, unit, t.reserved[kept] / scale,
+            t.allocated[kept] / scale, categories,
+            int(np.searchsorted(kept, d.peak_event_index + 1)),
+            f"peak {d.peak_allocated_bytes / scale:.2f} {unit}"))
+    return panels
+
+
+def timeline_title(findings: Findings, title: str | None = None) -> str:
+    """The figure's title: ``title`` (a command line), or the snapshot's file name; cut to
+    the figure's width."""
+    text = f"memprof: {title or Path(findings.source).name}"
+    return text if len(text) <= _TITLE_CHARS else text[:_TITLE_CHARS - 1] + "\u2026"
+
+
+def load_matplotlib() -> None:
+    """Import what `draw_timeline` uses (the slow part of drawing)."""
+    import matplotlib.backends.backend_agg
+    import matplotlib.figure  # noqa: F401
+
+
+def draw_timeline(panels: list[Panel], title: str, path: Path, overwrite: bool = False
+                  ) -> None:
+    """Draw ``panels`` (allocated, stacked by category where exact, and reserved bytes over
+    time; the peak marked) one under the other into the PNG ``path``, atomically."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.2 * len(panels)))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, squeeze=False)
+    for ax, p in zip(axes[:, 0], panels, strict=True):
+        ax.step(p.x, p.reserved, where="post", label="reserved", color="black", linewidth=1)
+        if p.categories is not None:
+            ax.stackplot(p.x, *p.categories.values(), step="post",
+                         labels=[k.replace("_", " ") for k in p.categories], alpha=0.8)
         else:
-            ax.step(x[kept], t.allocated[kept] / scale, where="post", label="allocated",
-                    color="tab:blue")
-        ax.axvline(x[peak], color="tab:red", linestyle=":", linewidth=1)
-        ax.annotate(f"peak {d.peak_allocated_bytes / scale:.2f} {unit}",
-                    (x[peak], t.allocated[peak] / scale), textcoords="offset points",
-                    xytext=(6, -12), color="tab:red", fontsize=9)
-        ax.set_ylabel(unit)
-        ax.set_title(f"device {d.device}", loc="left", fontsize=10)
+            ax.step(p.x, p.allocated, where="post", label="allocated", color="tab:blue")
+        ax.axvline(p.x[p.peak], color="tab:red", linestyle=":", linewidth=1)
+        ax.annotate(p.peak_label, (p.x[p.peak], p.allocated[p.peak]),
+                    textcoords="offset points", xytext=(6, -12), color="tab:red", fontsize=9)
+        ax.set_xlabel(p.xlabel)
+        ax.set_ylabel(p.unit)
+        ax.set_title(f"device {p.device}", loc="left", fontsize=10)
         ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", fontsize=8)
-    # a "$" in a file name would start matplotlib's math mode
-    name = (title or Path(findings.source).name).replace("$", r"\$")
-    fig.suptitle(f"memprof: {name}", fontsize=10)
+    fig.suptitle(title.replace("$", r"\$"), fontsize=10)  # "$" starts matplotlib's math mode
     fig.tight_layout()
-    try:
-        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), overwrite)
-    finally:
-        plt.close(fig)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), overwrite)
+
+
+def plot_timeline(findings: Findings, path: Path, title: str | None = None,
+                  overwrite: bool = False) -> None:
+    """Draw the timeline of every device of ``findings`` into the PNG ``path``, here."""
+    draw_timeline(timeline_panels(findings), timeline_title(findings, title), path, overwrite)

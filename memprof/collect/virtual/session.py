@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +18,19 @@ from memprof.trace.model import AllocatorSettings
 def record_virtual(target: Target, card: Card, settings: AllocatorSettings,
                    profile_to: Path | None = None, announce: str | None = None,
                    steps: int | None = None, seconds: float | None = None,
-                   max_entries: int | None = None) -> Recording:
+                   max_entries: int | None = None, ended: Callable[[], None] | None = None
+                   ) -> Recording:
     """Run ``target`` once on a virtual ``card``: its CUDA memory as that card would show it.
 
     ``announce`` is printed on stderr when the script first makes a CUDA tensor; the run
-    stops after ``steps`` optimizer steps or ``seconds`` when given; the trace keeps the last
-    ``max_entries`` events (a ring buffer) and every allocation still alive.
+    stops after ``steps`` optimizer steps or ``seconds`` when given (``ended`` is called as
+    soon as it has); the trace keeps the last ``max_entries`` events (a ring buffer) and
+    every allocation still alive.
     """
     gpu = VirtualGpu(card, settings, settings_dict(settings), announce, max_entries)
     recorder = CpuRecorder(gpu.recorder)
     with recorder, gpu:
-        outcome, took = run_profiled(target, profile_to, steps, seconds)
+        outcome, took = run_profiled(target, profile_to, steps, seconds, ended)
     trim()  # what the script freed, before memprof's own work on the trace
     with frozen():
         snapshot = predict_cuda_layout(recorder.snapshot(), settings, gpu.recorder.placer.layout())
