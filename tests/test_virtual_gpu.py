@@ -272,6 +272,27 @@ def cast_cache(where: Path) -> Result:
     return inline(where, "H100", "cast_cache", CAST_CACHE)
 
 
+VALUES = """\
+import torch
+g = torch.Generator(device="cuda")  # a CPU build cannot make one: the card's stands in
+g.manual_seed(1)
+assert isinstance(g, torch.Generator) and isinstance(torch.default_generator, torch.Generator)
+x = torch.randn(512, 256, device="cuda", generator=g)
+labels = torch.randint(0, 100, (512,), device="cuda", generator=g)
+keep = labels != 7
+before = torch.cuda.memory_allocated()
+picked = x[keep]  # a boolean mask: as many rows as the values select
+held = torch.cuda.memory_allocated() - before
+print(g.device, tuple(picked.shape), tuple(torch.nonzero(keep).shape), held)
+torch.unique(labels)
+"""
+
+
+@job
+def values(where: Path) -> Result:
+    return inline(where, "H100", "values", VALUES)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
     base = tmp_path_factory.mktemp("virtual")
@@ -496,6 +517,21 @@ def test_a_script_without_cuda_tensors_is_told_so(runs: dict[str, Future[Any]]) 
     assert "made no CUDA tensor, so the virtual H100 80GB held nothing; --device cpu" \
         in result.stderr
     assert report(where / "out")["devices"] == []
+
+
+def test_sizes_set_by_values_are_their_largest_and_unique_is_refused(
+        runs: dict[str, Future[Any]]) -> None:
+    result, where = finished(runs, "values", code=1)
+    # every row selected: 512 x 256 fp32, the block the allocator rounds it to
+    assert result.stdout.split() == ["cuda:0", "(512,", "256)", "(512,", "1)",
+                                     str(block(512 * 256 * 4))]
+    assert "sizes that depend on values (nonzero, torch.where(mask), boolean-mask indexing)" \
+        " are taken at their largest" in result.stderr
+    last = result.stderr.split("memprof run values.py")[0].strip().splitlines()[-1]
+    assert last.startswith("memprof.collect.virtual.value_sizes.VirtualGpuUnsupported:"
+                           " memprof's virtual GPU cannot run aten._unique2.default")
+    assert "--device cpu" in last and "The above exception" not in result.stderr
+    assert report(where / "out")["run"]["exit"]["status"] == "raised"
 
 
 def test_out_of_memory_where_the_card_would(runs: dict[str, Future[Any]]) -> None:

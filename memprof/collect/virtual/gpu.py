@@ -9,8 +9,10 @@ While entered: the routing mode makes the script's CUDA tensors virtual, the
 ``torch.cuda`` functions answer as the card (memory figures from the allocator model),
 the optimizers take their CUDA paths (foreach by default), model state built on the host
 is real while small and storage-less when big (``host_state.py``), checkpoints save and
-load (``checkpoints.py``), and ``torch.compile`` returns the function unchanged, with a
-notice: compiled code runs eagerly.
+load (``checkpoints.py``), ``torch.Generator(device="cuda")`` is a host generator that says
+it is on CUDA (``generators.py``), sizes that depend on values are taken at their largest
+(``value_sizes.py``), and ``torch.compile`` returns the function unchanged, with a notice:
+compiled code runs eagerly.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from memprof.collect.virtual import autocast
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.checkpoints import Checkpoints
 from memprof.collect.virtual.cuda_api import HistoryWindow, cuda_api
+from memprof.collect.virtual.generators import VirtualGenerator
 from memprof.collect.virtual.host_state import HostState
 from memprof.collect.virtual.recorder import VirtualRecorder
 from memprof.collect.virtual.routing import CudaRouting
 from memprof.collect.virtual.tensor import VirtualTensor
+from memprof.collect.virtual.value_sizes import LargestSizes
 from memprof.trace.model import AllocatorSettings
 
 
@@ -48,11 +52,13 @@ class VirtualGpu:
         self._autocast: torch.library.Library | None = None
         self._host_state = HostState()
         self._checkpoints = Checkpoints()
+        self._sizes = LargestSizes()
 
     def __enter__(self) -> VirtualGpu:
         patches = cuda_api(self.card, self.recorder, self.history)
         patches[(torch, "compile")] = EagerCompile("virtual GPU")
         patches[(torch, "clear_autocast_cache")] = _clear_autocast_cache
+        patches[(torch, "Generator")] = VirtualGenerator
         patches.update(self._host_state.patches())
         patches.update(self._checkpoints.patches())
         # on the tensor, not in the routing mode: DataLoader pins batches on a thread of its
@@ -69,6 +75,7 @@ class VirtualGpu:
         self._host_state.install()
         self._autocast = autocast.install()
         self._checkpoints.install()
+        self._sizes.__enter__()
         self._routing.__enter__()
         return self
 
@@ -88,6 +95,7 @@ class VirtualGpu:
 
     def __exit__(self, *exc: object) -> None:
         self._routing.__exit__(None, None, None)
+        self._sizes.__exit__()
         self._checkpoints.remove()
         if self._autocast is not None:
             self._autocast._destroy()

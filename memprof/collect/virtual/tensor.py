@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from memprof.collect.virtual.autocast import AUTOCAST_CUDA
+from memprof.collect.virtual.value_sizes import VirtualGpuUnsupported, note_sized_by_values
 
 CUDA = torch.device("cuda", 0)
 _CPU = torch.device("cpu")
@@ -135,7 +136,11 @@ class VirtualTensor(torch.Tensor):
         to_host = func is _TO_COPY and _is_host(kwargs.get("device"))
         if to_host:  # a copy to the host: a host tensor, still without storage
             kwargs = {**kwargs, "device": _META}
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        note_sized_by_values(func, args)
+        try:
+            out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        except NotImplementedError:  # no meta kernel: one line that says why
+            raise VirtualGpuUnsupported(func) from None
         on_device = not to_host and any(
             type(t) is VirtualTensor for t in torch.utils._pytree.tree_leaves((args, kwargs)))
         wrap = VirtualTensor if on_device else HostVirtualTensor
