@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tests.test_run_cli import block, memprof_run, report
@@ -173,3 +174,12 @@ def test_a_second_ctrl_c_abandons_the_report_in_one_line(tmp_path: Path) -> None
     assert result.stderr.strip().splitlines()[-1].startswith(
         "memprof: error: interrupted while writing the report")
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+
+
+def test_profile_is_a_chrome_trace_of_steps_two_and_three(tmp_path: Path) -> None:
+    result, out = _train(tmp_path, "", "--device", "cpu", "--profile")
+    assert result.code == 0, result.stderr
+    events = json.loads((out / "profile.json").read_text())["traceEvents"]
+    steps = [e for e in events if e.get("name") == "Optimizer.step#SGD.step"]
+    assert len(steps) == 2
+    assert "(profile.json, report.json, snapshot.pickle, timeline.png)" in result.stderr
