@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from memprof.collect.virtual.autocast import AUTOCAST_CUDA
+from memprof.collect.virtual.meta_cache import MetaCache
 from memprof.collect.virtual.value_sizes import VirtualGpuUnsupported, note_sized_by_values
 
 CUDA = torch.device("cuda", 0)
@@ -26,6 +27,7 @@ _CPU = torch.device("cpu")
 _META = torch.device("meta")
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _TO_COPY = torch.ops.aten._to_copy.default
+_run_meta = MetaCache()
 _told = False
 
 
@@ -138,18 +140,18 @@ class VirtualTensor(torch.Tensor):
             kwargs = {**kwargs, "device": _META}
         note_sized_by_values(func, args)
         try:
-            out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+            out = _run_meta(func, _map(_unwrap, args),
+                            {k: _map(_unwrap, v) for k, v in kwargs.items()})
         except NotImplementedError:  # no meta kernel: one line that says why
             raise VirtualGpuUnsupported(func) from None
-        on_device = not to_host and any(
-            type(t) is VirtualTensor for t in torch.utils._pytree.tree_leaves((args, kwargs)))
+        on_device = not to_host and (_any_virtual(args) or _any_virtual(kwargs.values()))
         wrap = VirtualTensor if on_device else HostVirtualTensor
         if getattr(func, "is_view", False) and _viewing_normal_tensor(args):
             # as a view of a normal tensor is, in inference mode too (autograd then gives it
             # its base's version counter, which an inference tensor cannot hold)
             with torch.inference_mode(False):
-                return tree_map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
-        return tree_map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
+                return _map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
+        return _map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
 
 
 class HostVirtualTensor(VirtualTensor):
@@ -175,6 +177,23 @@ class HostVirtualTensor(VirtualTensor):
     def __tensor_unflatten__(inner: dict, meta: object, sizes: object, strides: object
                              ) -> VirtualTensor:
         return HostVirtualTensor(inner["elem"])
+
+
+def _map(fn: Callable[[Any], Any], x: Any) -> Any:
+    """``fn`` over an operator's arguments or outputs, through the tuples and lists that hold
+    them: torch's pytree, for any container, costs ten times as much a call."""
+    if type(x) is tuple or type(x) is list:
+        return type(x)(_map(fn, v) for v in x)
+    if isinstance(x, (tuple, list, dict)):  # a named tuple, say: rare
+        return tree_map(fn, x)
+    return fn(x)
+
+
+def _any_virtual(values: Any) -> bool:
+    for v in values:
+        if type(v) is VirtualTensor or (isinstance(v, (tuple, list)) and _any_virtual(v)):
+            return True
+    return False
 
 
 def _viewing_normal_tensor(args: tuple) -> bool:

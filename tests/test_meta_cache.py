@@ -1,0 +1,59 @@
+"""The virtual GPU's meta kernels run once per input signature, and only where that is safe."""
+
+from __future__ import annotations
+
+import torch
+
+from memprof.collect.virtual.meta_cache import MetaCache
+
+calls: list[tuple[int, ...]] = []
+
+
+@torch.library.custom_op("memprof_test::outer", mutates_args=())
+def outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.outer(a, b)
+
+
+@outer.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    calls.append((a.shape[0], b.shape[0]))
+    return a.new_empty(a.shape[0], b.shape[0])
+
+
+OUTER = torch.ops.memprof_test.outer.default
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def test_a_signature_runs_its_kernel_once_and_each_call_gets_fresh_outputs() -> None:
+    run, calls[:] = MetaCache(), []
+    first = run(OUTER, (meta(3), meta(5)), {})
+    again = run(OUTER, (meta(3), meta(5)), {})
+    other = run(OUTER, (meta(4), meta(5)), {})
+    assert calls == [(3, 5), (4, 5)]
+    assert again.shape == (3, 5) and again.stride() == (5, 1) and other.shape == (4, 5)
+    assert again.untyped_storage()._cdata != first.untyped_storage()._cdata
+    assert again.untyped_storage().nbytes() == 3 * 5 * 4
+
+
+def test_strides_dtypes_and_arguments_are_part_of_the_signature() -> None:
+    run = MetaCache()
+    add = torch.ops.aten.add.Tensor
+    assert run(add, (meta(4, 6), meta(4, 6)), {}).stride() == (6, 1)
+    assert run(add, (meta(6, 4).t(), meta(6, 4).t()), {}).stride() == (1, 4)
+    assert run(add, (meta(4, 6, dtype=torch.bfloat16), meta(4, 6)), {}).dtype == torch.float32
+    total = torch.ops.aten.sum.dim_IntList
+    assert run(total, (meta(4, 6), [0]), {}).shape == (6,)
+    assert run(total, (meta(4, 6), [1]), {}).shape == (4,)
+    assert run(total, (meta(4, 6), [1]), {"keepdim": True}).shape == (4, 1)
+
+
+def test_views_and_in_place_operators_always_run_their_kernels() -> None:
+    run = MetaCache()
+    x = meta(4, 6)
+    for _ in range(2):
+        view = run(torch.ops.aten.view.default, (x, [24]), {})
+        assert view.untyped_storage()._cdata == x.untyped_storage()._cdata
+        assert run(torch.ops.aten.add_.Tensor, (x, meta(4, 6)), {}) is x
