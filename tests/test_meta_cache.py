@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from memprof.collect.virtual import meta_cache
 from memprof.collect.virtual.meta_cache import MetaCache
 
 calls: list[tuple[int, ...]] = []
@@ -57,3 +59,11 @@ def test_views_and_in_place_operators_always_run_their_kernels() -> None:
         view = run(torch.ops.aten.view.default, (x, [24]), {})
         assert view.untyped_storage()._cdata == x.untyped_storage()._cdata
         assert run(torch.ops.aten.add_.Tensor, (x, meta(4, 6)), {}) is x
+
+
+def test_a_full_cache_starts_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(meta_cache, "_LIMIT", 2)
+    run, calls[:] = MetaCache(), []
+    for n in (1, 2, 1, 3, 3, 1):
+        run(OUTER, (meta(n), meta(5)), {})
+    assert calls == [(1, 5), (2, 5), (3, 5), (1, 5)]  # the third signature emptied it

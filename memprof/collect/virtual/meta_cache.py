@@ -20,7 +20,9 @@ _UNCACHED_TAGS = {getattr(torch.Tag, name) for name in (
     "dynamic_output_shape", "data_dependent_output", "inplace_view", "nondeterministic_bitwise")
     if hasattr(torch.Tag, name)}
 _META = torch.device("meta")
-_LIMIT = 100_000  # signatures kept: a long run's distinct ones are a few thousand
+# Signatures kept, about 1 KiB each: a training loop has a few hundred, sampling a token at a
+# time a few hundred per sequence length. Past it the cache starts over (bounded memory).
+_LIMIT = 20_000
 
 _Outputs = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
 
@@ -48,7 +50,9 @@ class MetaCache:
             return fresh[0] if single else tuple(fresh)
         out = func(*args, **kwargs)
         remembered = _outputs(out, args, kwargs)
-        if remembered is not None and len(self._outputs) < _LIMIT:
+        if remembered is not None:
+            if len(self._outputs) >= _LIMIT:
+                self._outputs.clear()
             self._outputs[key] = (remembered, isinstance(out, torch.Tensor))
         return out
 
