@@ -52,13 +52,24 @@ def test_strides_dtypes_and_arguments_are_part_of_the_signature() -> None:
     assert run(total, (meta(4, 6), [1]), {"keepdim": True}).shape == (4, 1)
 
 
-def test_views_and_in_place_operators_always_run_their_kernels() -> None:
+def test_views_and_metadata_changing_in_place_operators_always_run_their_kernels() -> None:
     run = MetaCache()
     x = meta(4, 6)
     for _ in range(2):
         view = run(torch.ops.aten.view.default, (x, [24]), {})
         assert view.untyped_storage()._cdata == x.untyped_storage()._cdata
-        assert run(torch.ops.aten.add_.Tensor, (x, meta(4, 6)), {}) is x
+        y = meta(4, 6)
+        assert run(torch.ops.aten.resize_.default, (y, [10]), {}) is y and y.shape == (10,)
+
+
+def test_in_place_pointwise_operators_return_their_input_once_checked() -> None:
+    run = MetaCache()
+    for _ in range(2):
+        x = meta(4, 6)
+        assert run(torch.ops.aten.add_.Tensor, (x, meta(6)), {}) is x
+        assert x.shape == (4, 6)
+    with pytest.raises(RuntimeError):  # a new signature runs the kernel's checks
+        run(torch.ops.aten.add_.Tensor, (meta(4, 6), meta(5)), {})
 
 
 def test_a_full_cache_starts_over(monkeypatch: pytest.MonkeyPatch) -> None:

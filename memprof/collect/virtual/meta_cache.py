@@ -6,8 +6,10 @@ operators (sampling a token at a time) then takes minutes on the virtual GPU. A 
 kernel's outputs depend only on its inputs' shapes, strides and dtypes and on its other
 arguments, so a functional operator's outputs are remembered by that signature and made
 fresh (``empty_strided`` on meta) when it comes again, as FakeTensor's dispatch cache
-does. Views, in-place and ``out=`` operators, and those whose output shape depends on
-values, always run their kernels.
+does. An in-place pointwise operator (``add_``, ``sigmoid_``) changes no metadata: once a
+signature has passed its kernel's checks, it returns its first argument at once. Views,
+other in-place and ``out=`` operators, and those whose output shape depends on values,
+always run their kernels.
 """
 
 from __future__ import annotations
@@ -28,40 +30,61 @@ _Outputs = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...]
 
 
 class MetaCache:
-    """Runs meta kernels, reusing the outputs' metadata of functional operators."""
+    """Runs meta kernels, reusing the outputs' metadata of functional operators and the
+    checks of in-place pointwise ones."""
 
     def __init__(self) -> None:
-        self._cacheable: dict[Any, bool] = {}
-        self._outputs: dict[tuple, tuple[_Outputs, bool]] = {}
+        self._kinds: dict[Any, int] = {}
+        # signature -> outputs' metadata, and whether the operator returns one tensor; or
+        # _RETURNS_SELF: an in-place pointwise operator that passed its checks
+        self._outputs: dict[tuple, tuple[_Outputs, bool] | object] = {}
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``func(*args, **kwargs)`` on meta tensors."""
-        cacheable = self._cacheable.get(func)
-        if cacheable is None:
-            cacheable = self._cacheable[func] = _is_functional(func)
-        key = _key(func, args, kwargs) if cacheable else None
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _kind(func)
+        key = _key(func, args, kwargs) if kind else None
         if key is None:
             return func(*args, **kwargs)
         hit = self._outputs.get(key)
+        if hit is _RETURNS_SELF:
+            return args[0]  # an in-place pointwise operator changes no metadata
         if hit is not None:
-            outputs, single = hit
+            outputs, single = hit  # type: ignore[misc]
             fresh = [torch.empty_strided(shape, stride, dtype=dtype, device=_META)
                      for shape, stride, dtype in outputs]
             return fresh[0] if single else tuple(fresh)
         out = func(*args, **kwargs)
-        remembered = _outputs(out, args, kwargs)
+        if kind == _IN_PLACE:
+            remembered: object = _RETURNS_SELF if out is args[0] else None
+        else:
+            outputs = _outputs(out, args, kwargs)
+            remembered = None if outputs is None else (outputs, isinstance(out, torch.Tensor))
         if remembered is not None:
             if len(self._outputs) >= _LIMIT:
                 self._outputs.clear()
-            self._outputs[key] = (remembered, isinstance(out, torch.Tensor))
+            self._outputs[key] = remembered
         return out
 
 
-def _is_functional(func: Any) -> bool:
+_FUNCTIONAL, _IN_PLACE = 1, 2
+_RETURNS_SELF = object()
+
+
+def _kind(func: Any) -> int:
+    """_FUNCTIONAL, _IN_PLACE (a pointwise operator on its first argument: ``add_``,
+    ``sigmoid_``), or 0: not cached."""
     schema = getattr(func, "_schema", None)
-    return (schema is not None and not schema.is_mutable and not func.is_view
-            and all(r.alias_info is None for r in schema.returns)
-            and not _UNCACHED_TAGS.intersection(func.tags))
+    if schema is None or func.is_view or _UNCACHED_TAGS.intersection(func.tags):
+        return 0
+    if not schema.is_mutable:
+        return _FUNCTIONAL if all(r.alias_info is None for r in schema.returns) else 0
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    returns = [r.alias_info for r in schema.returns]
+    in_place = (torch.Tag.pointwise in func.tags and first is not None and first.is_write
+                and len(returns) == 1 and returns[0] is not None and returns[0].is_write)
+    return _IN_PLACE if in_place else 0
 
 
 def _key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
