@@ -490,3 +490,24 @@ def test_oom_sample_reports_the_failed_request(tmp_path: Path) -> None:
     candidates |= {block(p.numel() * F32) for p in model.parameters()}
     assert found["requested_bytes"] in candidates
     assert (out / "oom-snapshot.pickle").is_file()
+
+
+@pytest.mark.parametrize("command, switches", [
+    ([], ["--version"]),
+    (["run"], ["--force", "--profile"]),
+    (["explain"], ["--json", "--plot", "--force"]),
+    (["check"], ["--allow-different", "--update-baseline"]),
+    (["suggest"], ["--verify", "--json"]),
+])
+def test_help_shows_switches_without_a_value(command: list[str], switches: list[str]) -> None:
+    from typer.testing import CliRunner
+
+    from memprof.cli.app import app
+
+    result = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[1]: line for line in result.output.splitlines()
+            if line.startswith("│ ") and len(line.split()) > 2}
+    for switch in switches:
+        assert switch in rows, result.output
+        assert "<bool>" not in rows[switch]  # as if it took one: `--force <bool>`

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Annotated
 
 import typer
 
 from memprof import __version__
 from memprof.cli import check, explain, run, suggest
+from memprof.cli.options import flag
 from memprof.errors import MemprofError
 from memprof.report.text import visible
 
@@ -37,8 +39,8 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Show the version and exit.")) -> None:
+def _main(version: Annotated[bool, flag("--version", callback=_version, is_eager=True,
+                                         help="Show the version and exit.")] = False) -> None:
     """GPU memory profiler and out-of-memory diagnoser for PyTorch training."""
 
 

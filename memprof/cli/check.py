@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from memprof.cli.options import flag
 from memprof.errors import MemprofError
 
 
@@ -26,10 +27,10 @@ def check(
     device: Annotated[int | None, typer.Option(
         "--device", help="Compare only this device index (default: every device).",
         show_default=False)] = None,
-    allow_different: Annotated[bool, typer.Option(
+    allow_different: Annotated[bool, flag(
         "--allow-different", help="Compare even when the runs differ in device, virtual GPU,"
         " allocator settings or how they ended (otherwise exit 2).")] = False,
-    update_baseline: Annotated[bool, typer.Option(
+    update_baseline: Annotated[bool, flag(
         "--update-baseline", help="Write CURRENT's report as the new baseline (atomically)"
         " and exit 0.")] = False,
     fmt: Annotated[str, typer.Option(

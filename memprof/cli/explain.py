@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from memprof.cli.options import flag
 from memprof.cli.sizes import parse_size
 from memprof.errors import MemprofError
 
@@ -21,13 +22,13 @@ def explain(
         help="A snapshot from torch.cuda.memory._dump_snapshot() (any format since PyTorch 2.0),"
         " or a memprof run folder (every rank of a distributed run, and their imbalance).",
         show_default=False)],
-    json: Annotated[bool, typer.Option(
+    json: Annotated[bool, flag(
         "--json", help="Also write the report as JSON (schema memprof.report/1) to"
         " OUT_DIR/NAME.json.")] = False,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Where --json writes; '-' prints the JSON on stdout instead of"
         " the report.")] = None,
-    plot: Annotated[bool, typer.Option(
+    plot: Annotated[bool, flag(
         "--plot", help="Write a PNG of allocated and reserved memory over time to"
         " OUT_DIR/NAME-timeline.png.")] = False,
     out_dir: Annotated[Path, typer.Option("--out-dir", help="Folder for --json and --plot.")
@@ -46,7 +47,7 @@ def explain(
     alloc_conf: Annotated[str | None, typer.Option(
         "--alloc-conf", metavar="CONF", help="The allocator settings the run used, where the"
         " snapshot does not record them (or records them wrongly).", show_default=False)] = None,
-    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite existing output files.")
+    force: Annotated[bool, flag("--force", "-f", help="Overwrite existing output files.")
                      ] = False,
 ) -> None:
     """Explain a memory snapshot: the peak, what was live and from which lines, the allocator's

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from memprof.cli.options import flag
 from memprof.errors import MemprofError
 
 # PyTorch's allocator history and memprof's recorders alike: enough for the few steps a memory
@@ -34,7 +35,7 @@ def run(
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="The run folder (default: reports/SCRIPT-YYYYmmdd-HHMMSS).",
         show_default=False)] = None,
-    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite files already in"
+    force: Annotated[bool, flag("--force", "-f", help="Overwrite files already in"
                                         " the run folder.")] = False,
     device: Annotated[str, typer.Option(
         "--device", help="auto: the GPU's own allocator history when CUDA is available, else"
@@ -52,7 +53,7 @@ def run(
         " no storage or compute; memory is predicted for the card. Default without a GPU:"
         " H100 80GB.", show_default=False)] = None,
     top: Annotated[int, typer.Option("--top", min=1, help="Allocation sites to list.")] = 10,
-    profile: Annotated[bool, typer.Option(
+    profile: Annotated[bool, flag(
         "--profile", help="Also run torch.profiler over optimizer steps 2-3 and write its"
         " Chrome trace (open in chrome://tracing or Perfetto) to the run folder.")] = False,
     steps: Annotated[int | None, typer.Option(

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from memprof.cli.options import flag
 from memprof.errors import MemprofError
 
 
@@ -22,7 +23,7 @@ def suggest(
         show_default=False)] = "",
     gpus: Annotated[int, typer.Option(
         "--gpus", min=1, help="GPUs the job may use: 2 or more enables ZeRO/FSDP.")] = 1,
-    verify: Annotated[bool, typer.Option(
+    verify: Annotated[bool, flag(
         "--verify", help="Re-run the script (as its report recorded it, a few steps, on the"
         " same virtual GPU) with each remedy memprof can apply itself (autocast,"
         " checkpointing of the repeated blocks, allocator settings, micro-batches with"
@@ -34,7 +35,7 @@ def suggest(
         "--fit-batch", metavar="NAME", help="Find the largest value of the script's --NAME"
         " whose peak fits the budget, by re-running it (doubling, then bisection).",
         show_default=False)] = None,
-    as_json: Annotated[bool, typer.Option(
+    as_json: Annotated[bool, flag(
         "--json", help="Print the advice as JSON (the report schema) instead.")] = False,
 ) -> None:
     """Rank the remedies for a run's peak memory by the bytes each saves in THIS run, and
