@@ -19,6 +19,7 @@ import pytest
 import torch
 from test_run_cli import F32, MLP, SAMPLES, Result, block, flags, load_sample, report, run_python
 
+from memprof.analysis.blocks import SMALL_BUFFER
 from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
 from memprof.collect.virtual.workspaces import cublas_workspace_bytes
 
@@ -293,6 +294,57 @@ def values(where: Path) -> Result:
     return inline(where, "H100", "values", VALUES)
 
 
+GRAPHS = """\
+import json
+import torch
+reserved, allocated = torch.cuda.memory_reserved, torch.cuda.memory_allocated
+model = torch.nn.Linear(256, 256).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(64, 256, device="cuda")
+for _ in range(2):  # warm-up, eagerly
+    opt.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    opt.step()
+opt.zero_grad(set_to_none=True)
+torch.cuda.empty_cache()
+before = [allocated(), reserved()]
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    y = model(x).sum()
+    y.backward()
+    opt.step()
+captured = [allocated(), reserved()]
+for _ in range(3):
+    g.replay()
+replayed = [allocated(), reserved()]
+shared = torch.cuda.CUDAGraph()  # a second graph in the first one's pool
+with torch.cuda.graph(shared, pool=g.pool()):
+    z = x * 2
+sharing = [allocated(), reserved()]
+pools = sorted({tuple(s["segment_pool_id"]) for s in torch.cuda.memory_snapshot()})
+del y, z
+opt.zero_grad(set_to_none=True)
+torch.cuda.empty_cache()
+kept = reserved()  # the graphs still use their pool
+g.reset()
+shared.reset()
+torch.cuda.empty_cache()
+released = reserved()
+graphed = torch.cuda.make_graphed_callables(torch.nn.Linear(256, 8).cuda(), (x,))
+out = graphed(x)
+print(json.dumps({"before": before, "captured": captured, "replayed": replayed,
+                  "sharing": sharing, "pools": pools, "kept": kept, "released": released,
+                  "handle": list(torch.cuda.graph_pool_handle()),
+                  "graphed": [list(out.shape), out.is_cuda],
+                  "capturing": torch.cuda.is_current_stream_capturing()}))
+"""
+
+
+@job
+def graphs(where: Path) -> Result:
+    return inline(where, "H100", "graphs", GRAPHS)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
     base = tmp_path_factory.mktemp("virtual")
@@ -532,6 +584,26 @@ def test_sizes_set_by_values_are_their_largest_and_unique_is_refused(
                            " memprof's virtual GPU cannot run aten._unique2.default")
     assert "--device cpu" in last and "The above exception" not in result.stderr
     assert report(where / "out")["run"]["exit"]["status"] == "raised"
+
+
+def test_cuda_graphs_capture_into_a_private_pool_and_replay_without_allocating(
+        runs: dict[str, Future[Any]]) -> None:
+    result, where = finished(runs, "graphs")
+    out = json.loads(result.stdout)
+    weight, bias, x = block(256 * 256 * F32), block(256 * F32), block(64 * 256 * F32)
+    # the capture allocates the gradients and the loss in a pool of its own: a new small segment
+    assert out["captured"][0] - out["before"][0] == weight + bias + block(F32)
+    assert out["captured"][1] - out["before"][1] == SMALL_BUFFER
+    assert out["replayed"] == out["captured"]
+    # a graph capturing into another's pool reuses its free blocks
+    assert out["sharing"] == [out["captured"][0] + x, out["captured"][1]]
+    assert out["pools"] == [[0, 0], [1, 0]]
+    # empty_cache() keeps a pool graphs use, and frees it once they are reset
+    assert out["kept"] == out["captured"][1]
+    assert out["released"] == out["kept"] - SMALL_BUFFER
+    assert out["handle"] == [0, 2]  # make_graphed_callables took the first
+    assert out["graphed"] == [[64, 8], True] and out["capturing"] is False
+    assert report(where / "out")["run"]["exit"]["status"] == "completed"
 
 
 def test_out_of_memory_where_the_card_would(runs: dict[str, Future[Any]]) -> None:

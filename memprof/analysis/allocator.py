@@ -65,6 +65,9 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         self.cached_bytes = 0  # reserved bytes in free lists
         # per (pool, small?, stream): [segments, reserved bytes, allocated bytes]
         self.groups: dict[tuple[tuple[int, int], bool, int], list[int]] = {}
+        # private pools with live users (CUDA graphs: ``cuda_graphs.py``) -> their count; their
+        # cached segments are never released, as PyTorch frees a pool only once unused
+        self.pools_in_use: dict[tuple[int, int], int] = {}
         self._next_synthetic = 1 << 48
 
     # -- sizes -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memprof.analysis.allocator import CachingAllocator
-from memprof.analysis.blocks import Block, Segment
+from memprof.analysis.blocks import DEFAULT_POOL, Block, Segment
 from memprof.trace.events import (
     ACTION,
     ADDR,
@@ -72,6 +72,7 @@ class Placer:
 
     def __init__(self, alloc: CachingAllocator) -> None:
         self.alloc = alloc
+        self.pool = DEFAULT_POOL  # where allocations go: a private pool while a CUDA graph captures
         self.trace: list[Event] = []
         self.position: array[int] = array("q")  # 8 bytes an event, not an int object
         self._blocks: dict[int, Block] = {}
@@ -87,7 +88,7 @@ class Placer:
         action = event[ACTION]
         if action == "alloc":
             try:
-                block = alloc.malloc(event[SIZE], event[STREAM])
+                block = alloc.malloc(event[SIZE], event[STREAM], self.pool)
             except BaseException:  # under a limit, cached segments went back to the device
                 self._catch_up(event[TIME_US], None)
                 raise

@@ -66,12 +66,14 @@ class CacheRelease:
     def release_cached(self) -> int:
         """Free every wholly free segment and unmap the free pages of expandable ones.
 
-        What ``torch.cuda.empty_cache()`` and the last out-of-memory retry do; returns
-        the bytes released.
+        What ``torch.cuda.empty_cache()`` and the last out-of-memory retry do (but for the
+        segments of private pools in use); returns the bytes released.
         """
         before = self.reserved
         pages = []
         for seg in list(self.segments.values()):
+            if seg.pool in self.pools_in_use:
+                continue
             if seg.expandable:
                 page = self.page_size(seg.small)
                 for b in seg.blocks():

@@ -170,7 +170,6 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
         "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
         "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8)],
         "set_rng_state": _nothing, "set_rng_state_all": _nothing,
-        "is_current_stream_capturing": lambda: False,  # optimizers ask before each step
         "utilization": lambda device=None: 0,
         "Event": Event,
         "Stream": Stream,

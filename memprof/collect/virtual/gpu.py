@@ -11,7 +11,8 @@ the optimizers take their CUDA paths (foreach by default), model state built on 
 is real while small and storage-less when big (``host_state.py``), checkpoints save and
 load (``checkpoints.py``), ``torch.Generator(device="cuda")`` is a host generator that says
 it is on CUDA (``generators.py``), sizes that depend on values are taken at their largest
-(``value_sizes.py``), and ``torch.compile`` returns the function unchanged, with a notice:
+(``value_sizes.py``), CUDA graphs capture into private pools and replay without allocating
+(``cuda_graphs.py``), and ``torch.compile`` returns the function unchanged, with a notice:
 compiled code runs eagerly.
 """
 
@@ -29,6 +30,7 @@ from memprof.collect.virtual import autocast
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.checkpoints import Checkpoints
 from memprof.collect.virtual.cuda_api import HistoryWindow, cuda_api
+from memprof.collect.virtual.cuda_graphs import CudaGraphs
 from memprof.collect.virtual.generators import VirtualGenerator
 from memprof.collect.virtual.host_state import HostState
 from memprof.collect.virtual.recorder import VirtualRecorder
@@ -53,6 +55,7 @@ class VirtualGpu:
         self._host_state = HostState()
         self._checkpoints = Checkpoints()
         self._sizes = LargestSizes()
+        self._graphs = CudaGraphs(self.recorder.placer)
 
     def __enter__(self) -> VirtualGpu:
         patches = cuda_api(self.card, self.recorder, self.history)
@@ -61,13 +64,14 @@ class VirtualGpu:
         patches[(torch, "Generator")] = VirtualGenerator
         patches.update(self._host_state.patches())
         patches.update(self._checkpoints.patches())
+        patches.update(self._graphs.patches())
         # on the tensor, not in the routing mode: DataLoader pins batches on a thread of its
         # own, where the (thread-local) mode does not reach
         patches[(torch.Tensor, "pin_memory")] = _pinned
         patches[(torch.autograd, "_engine_run_backward")] = self._backward
         seen: set[int] = set()
         for (owner, name), value in patches.items():
-            self._saved[(owner, name)] = getattr(owner, name)
+            self._saved[(owner, name)] = getattr(owner, name, _ABSENT)
             setattr(owner, name, _copy(value) if id(value) in seen else value)
             seen.add(id(value))
         _foreach_supported_types.append(VirtualTensor)
@@ -104,8 +108,14 @@ class VirtualGpu:
         self._host_state.remove()
         _foreach_supported_types.remove(VirtualTensor)
         for (owner, name), value in self._saved.items():
-            setattr(owner, name, value)
+            if value is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
         self._saved.clear()
+
+
+_ABSENT = object()  # a patched name the module did not have
 
 
 def _copy(value: Any) -> Any:
