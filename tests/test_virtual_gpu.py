@@ -345,6 +345,18 @@ def graphs(where: Path) -> Result:
     return inline(where, "H100", "graphs", GRAPHS)
 
 
+NCCL = """\
+import torch.distributed as dist
+backend = "nccl" if __import__("torch").cuda.is_available() else "gloo"
+dist.init_process_group(backend, init_method="tcp://127.0.0.1:29999", rank=0, world_size=1)
+"""
+
+
+@job
+def nccl(where: Path) -> Result:
+    return inline(where, "H100", "nccl", NCCL)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
     base = tmp_path_factory.mktemp("virtual")
@@ -580,7 +592,7 @@ def test_sizes_set_by_values_are_their_largest_and_unique_is_refused(
     assert "sizes that depend on values (nonzero, torch.where(mask), boolean-mask indexing)" \
         " are taken at their largest" in result.stderr
     last = result.stderr.split("memprof run values.py")[0].strip().splitlines()[-1]
-    assert last.startswith("memprof.collect.virtual.value_sizes.VirtualGpuUnsupported:"
+    assert last.startswith("memprof.collect.virtual.unsupported.VirtualGpuUnsupported:"
                            " memprof's virtual GPU cannot run aten._unique2.default")
     assert "--device cpu" in last and "The above exception" not in result.stderr
     assert report(where / "out")["run"]["exit"]["status"] == "raised"
@@ -604,6 +616,16 @@ def test_cuda_graphs_capture_into_a_private_pool_and_replay_without_allocating(
     assert out["handle"] == [0, 2]  # make_graphed_callables took the first
     assert out["graphed"] == [[64, 8], True] and out["capturing"] is False
     assert report(where / "out")["run"]["exit"]["status"] == "completed"
+
+
+def test_a_process_group_over_nccl_is_refused_in_one_line(runs: dict[str, Future[Any]]
+                                                          ) -> None:
+    result, _ = finished(runs, "nccl", code=1)
+    error = result.stderr.split("Traceback")[1].split("\nmemprof:")[0].strip().splitlines()[-1]
+    assert error.startswith("memprof.collect.virtual.unsupported.VirtualGpuUnsupported:"
+                            " memprof's virtual GPU cannot run torch.distributed over NCCL")
+    assert error.endswith("or run memprof on a GPU")
+    assert "NCCL built in" not in result.stderr  # PyTorch's own error: a broken install?
 
 
 def test_out_of_memory_where_the_card_would(runs: dict[str, Future[Any]]) -> None:

@@ -12,7 +12,8 @@ is real while small and storage-less when big (``host_state.py``), checkpoints s
 load (``checkpoints.py``), ``torch.Generator(device="cuda")`` is a host generator that says
 it is on CUDA (``generators.py``), sizes that depend on values are taken at their largest
 (``value_sizes.py``), CUDA graphs capture into private pools and replay without allocating
-(``cuda_graphs.py``), and ``torch.compile`` returns the function unchanged, with a notice:
+(``cuda_graphs.py``), a process group over NCCL is refused in one line
+(``distributed.py``), and ``torch.compile`` returns the function unchanged, with a notice:
 compiled code runs eagerly.
 """
 
@@ -31,6 +32,7 @@ from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.checkpoints import Checkpoints
 from memprof.collect.virtual.cuda_api import HistoryWindow, cuda_api
 from memprof.collect.virtual.cuda_graphs import CudaGraphs
+from memprof.collect.virtual.distributed import nccl_refusal
 from memprof.collect.virtual.generators import VirtualGenerator
 from memprof.collect.virtual.host_state import HostState
 from memprof.collect.virtual.recorder import VirtualRecorder
@@ -65,6 +67,7 @@ class VirtualGpu:
         patches.update(self._host_state.patches())
         patches.update(self._checkpoints.patches())
         patches.update(self._graphs.patches())
+        patches.update(nccl_refusal())
         # on the tensor, not in the routing mode: DataLoader pins batches on a thread of its
         # own, where the (thread-local) mode does not reach
         patches[(torch.Tensor, "pin_memory")] = _pinned

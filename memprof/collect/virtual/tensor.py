@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 
 from memprof.collect.virtual.autocast import AUTOCAST_CUDA
 from memprof.collect.virtual.meta_cache import MetaCache
-from memprof.collect.virtual.value_sizes import VirtualGpuUnsupported, note_sized_by_values
+from memprof.collect.virtual.value_sizes import note_sized_by_values, unsupported_operator
 
 CUDA = torch.device("cuda", 0)
 _CPU = torch.device("cpu")
@@ -143,7 +143,7 @@ class VirtualTensor(torch.Tensor):
             out = _run_meta(func, _map(_unwrap, args),
                             {k: _map(_unwrap, v) for k, v in kwargs.items()})
         except NotImplementedError:  # no meta kernel: one line that says why
-            raise VirtualGpuUnsupported(func) from None
+            raise unsupported_operator(func) from None
         on_device = not to_host and (_any_virtual(args) or _any_virtual(kwargs.values()))
         wrap = VirtualTensor if on_device else HostVirtualTensor
         if getattr(func, "is_view", False) and _viewing_normal_tensor(args):

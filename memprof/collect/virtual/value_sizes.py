@@ -4,8 +4,8 @@
 with a boolean mask), gets its largest size, every element selected (PyTorch's own
 ``meta_nonzero_assume_all_nonzero``): the prediction is an upper bound there, as said
 once on stderr. An operator PyTorch cannot size without values (``unique``,
-``masked_select``, ``bincount``, ...) stops the script with `VirtualGpuUnsupported`,
-which says so and what to do instead.
+``masked_select``, ``bincount``, ...) stops the script with `unsupported_operator`'s
+error, which says so and what to do instead.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.fx.experimental._config as fx_config
 
+from memprof.collect.virtual.unsupported import VirtualGpuUnsupported
+
 _ASSUME_ALL = "meta_nonzero_assume_all_nonzero"
 _NONZERO = torch.ops.aten.nonzero.default
 _INDEX = torch.ops.aten.index.Tensor
@@ -23,22 +25,19 @@ _BY_VALUES = ("unique", "masked_select", "bincount", "repeat_interleave", "nonze
 _told = False
 
 
-class VirtualGpuUnsupported(NotImplementedError):
-    """An operator the virtual GPU cannot run on CUDA tensors."""
-
-    def __init__(self, func: Any) -> None:
-        name = str(func)
-        why = ("its output's size depends on the values, which virtual CUDA tensors do not"
-               " hold" if any(word in name for word in _BY_VALUES) else
-               "PyTorch has no meta kernel for it")
-        super().__init__(f"memprof's virtual GPU cannot run {name} on CUDA tensors ({why});"
-                         " profile this script on a GPU, or its host tensors with"
-                         " --device cpu")
+def unsupported_operator(func: Any) -> VirtualGpuUnsupported:
+    """The error for an operator the virtual GPU cannot run on CUDA tensors."""
+    name = str(func)
+    why = ("its output's size depends on the values, which virtual CUDA tensors do not hold"
+           if any(word in name for word in _BY_VALUES) else "PyTorch has no meta kernel for it")
+    return VirtualGpuUnsupported(f"{name} on CUDA tensors", why,
+                                 "profile this script on a GPU, or its host tensors with"
+                                 " --device cpu")
 
 
 class LargestSizes:
     """While entered, ``nonzero`` on virtual tensors selects every element (where this
-    torch has the setting; without it, ``nonzero`` raises `VirtualGpuUnsupported`)."""
+    torch has the setting; without it, ``nonzero`` is refused as ``unique`` is)."""
 
     def __init__(self) -> None:
         self._saved: bool | None = None
