@@ -440,3 +440,37 @@ def test_stacks_inside_modules_are_those_a_full_walk_gives(monkeypatch) -> None:
     frames = {frame for stack in stacks[0] for frame in stack}
     assert any(name == "forward" and file.endswith("linear.py") for name, file, _ in frames)
     assert stacks[0] == stacks[1]
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_state_loaded_from_a_checkpoint_is_recorded(tmp_path: Path, mmap: bool) -> None:
+    # resuming: torch.load makes storages no operator made, and its tensors point at them
+    # with set_; load_state_dict(assign=True) keeps them as the parameters and Adam as its
+    # moments, so without them a resumed run had no parameters and no optimizer state
+    model = nn.Linear(64, 32)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+               tmp_path / "ckpt.pt")
+    kept = []
+
+    def body() -> None:
+        checkpoint = torch.load(tmp_path / "ckpt.pt", mmap=mmap)
+        resumed = nn.Linear(64, 32, device="meta")
+        resumed.load_state_dict(checkpoint["model"], assign=True)
+        adam = torch.optim.Adam(resumed.parameters())
+        adam.load_state_dict(checkpoint["optimizer"])
+        resumed(torch.randn(4, 64)).sum().backward()
+        adam.step()
+        kept.append((resumed, adam))
+
+    snapshot = _record(body)
+    events = _events(snapshot)
+    by_category = Counter()
+    for i, category in snapshot["memprof"]["labels"]:
+        by_category[category] += events[i]["size"]
+    params = (64 * 32 + 32) * F32
+    assert by_category["parameters"] == params
+    assert by_category["gradients"] == params
+    assert by_category["optimizer_state"] == 2 * params + 2 * F32  # moments, step counts

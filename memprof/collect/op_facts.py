@@ -3,7 +3,9 @@
 Whether an output's storage can be one of the inputs' storages: only if the schema gives a
 return an alias annotation (views, in-place and ``out=`` ops), for the few aten ops that
 alias without saying so (``_unsafe_view``), and for any op outside aten, whose schema is
-not checked (c10d's collectives return their inputs unannotated). Whether the op is a
+not checked (c10d's collectives return their inputs unannotated); never for ``set_``, which
+points its tensor at the storage it is given (``torch.load`` and safetensors make theirs
+without an operator: a storage not tracked yet is new). Whether the op is a
 view (autograd's ADInplaceOrView kernel, and returns that alias without writing): half of
 a forward pass's operators, they make no storage, and the tracker skips them. The
 annotation alone would not do: a composite op that may alias (``reshape``, ``to``,
@@ -48,8 +50,11 @@ def op_facts(func: object) -> int:
 def _decide(func: object) -> int:
     schema = getattr(func, "_schema", None)
     aten = schema is not None and getattr(func, "namespace", None) == "aten"
-    aliases = (not aten or schema.name in _UNANNOTATED
-               or any(r.alias_info is not None for r in schema.returns))
+    # set_ points its tensor at the storage it is given: one no operator made (torch.load's,
+    # a memory-mapped file's) is new, however the schema annotates it
+    sets = aten and schema.name == "aten::set_"
+    aliases = not sets and (not aten or schema.name in _UNANNOTATED
+                            or any(r.alias_info is not None for r in schema.returns))
     views = (aten and bool(schema.returns)
              and all(r.alias_info is not None and not r.alias_info.is_write
                      for r in schema.returns)
