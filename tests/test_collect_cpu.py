@@ -8,8 +8,10 @@ import io
 import pickle
 import runpy
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -26,6 +28,8 @@ from memprof.collect.storages import StorageTracker
 from memprof.trace.dump import dump_snapshot
 from memprof.trace.events import as_snapshot_events
 from memprof.trace.model import CATEGORIES
+
+_THREAD_START = threading.Thread.start
 
 SCRIPT = Path(__file__).resolve().parents[1] / "sample_scripts" / "mlp_adam.py"
 BATCH = 16
@@ -474,3 +478,25 @@ def test_state_loaded_from_a_checkpoint_is_recorded(tmp_path: Path, mmap: bool) 
     assert by_category["parameters"] == params
     assert by_category["gradients"] == params
     assert by_category["optimizer_state"] == 2 * params + 2 * F32  # moments, step counts
+
+
+def test_tensors_made_on_threads_the_script_starts_are_recorded() -> None:
+    # PyTorch gives a new thread none of the starting thread's modes (transformers'
+    # from_pretrained loads its weights on a thread pool): memprof's are handed down
+    kept = []
+    late = ThreadPoolExecutor(1)  # its thread starts during the recording, outlives it
+
+    def body() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            kept.extend(pool.map(torch.empty, [1000, 2000]))
+        thread = threading.Thread(target=lambda: kept.append(torch.empty(3000)))
+        thread.start()
+        thread.join()
+        kept.append(late.submit(torch.empty, 4000).result())
+
+    snapshot = _record(body)
+    sizes = sorted(e["size"] for e in _events(snapshot) if e["action"] == "alloc")
+    assert sizes == [n * F32 for n in (1000, 2000, 3000, 4000)]
+    assert late.submit(torch.ones, 5).result().sum() == 5  # the stopped recorder steps aside
+    late.shutdown()
+    assert threading.Thread.start is _THREAD_START  # and the patch is gone

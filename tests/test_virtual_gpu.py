@@ -31,6 +31,7 @@ SCALE = ["--layers", "26", "--d-model", "3072", "--heads", "24", "--seq", "1024"
 ATTENTION = load_sample("transformer_lm").PRESETS["tiny"]
 
 API = """\
+from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 props = torch.cuda.get_device_properties(0)
@@ -58,6 +59,8 @@ with torch.cuda.device(0), torch.cuda.device_of(made):  # these swap the current
 pinned_empty = torch.empty(4, pin_memory=True)
 stats = torch.cuda.memory_stats()
 summary = torch.cuda.memory_summary()
+# a thread the script starts (transformers loads weights on a pool) makes CUDA tensors too
+threaded = ThreadPoolExecutor(1).submit(lambda: str(torch.ones(4, device="cuda").device))
 print(json.dumps({
     "available": torch.cuda.is_available(), "count": torch.cuda.device_count(),
     "current": torch.cuda.current_device(), "name": torch.cuda.get_device_name(0),
@@ -74,7 +77,7 @@ print(json.dumps({
     "swapped": swapped, "pinned_empty": pinned_empty.device.type,
     "stats": [stats["allocation.all.current"],
               stats["allocated_bytes.all.allocated"] - stats["allocated_bytes.all.freed"]],
-    "summary": summary.splitlines()[1].split()[:3],
+    "summary": summary.splitlines()[1].split()[:3], "threaded": threaded.result(),
 }))
 """
 
@@ -538,7 +541,8 @@ def test_torch_cuda_answers_as_the_card(runs: dict[str, Future[Any]]) -> None:
         "rng": [[16], "cpu", False], "half": "torch.float16", "swapped": [0, True],
         "pinned_empty": "cpu",
         # the six tensors above and the workspace; what was allocated less what was freed
-        "stats": [7, seen["allocated"]], "summary": ["|", "PyTorch", "CUDA"]}
+        "stats": [7, seen["allocated"]], "summary": ["|", "PyTorch", "CUDA"],
+        "threaded": "cuda:0"}
     assert result.stderr.count("hold no values") == 1
     assert result.stderr.count("torch.compile ran the model eagerly") == 1  # said once
 

@@ -24,6 +24,7 @@ from memprof.collect.eager_compile import EagerCompile
 from memprof.collect.labels import LabelHooks
 from memprof.collect.module_scope import ModuleScope
 from memprof.collect.storages import StorageTracker
+from memprof.collect.threads import ThreadModes, inherited
 from memprof.collect.worker_batches import WorkerBatches
 from memprof.trace.events import ACTION
 
@@ -42,6 +43,8 @@ class CpuRecorder:
         self._scope = ModuleScope(self._tracker)
         self._compile = EagerCompile("CPU recorder")
         self._workers = WorkerBatches(self._tracker)
+        self._threads = ThreadModes()
+        inherited(self._tracker)
         self._labels: list[list[Any]] | None = None
         self._tags: list[list[Any]] = []
         self._started = False
@@ -56,9 +59,11 @@ class CpuRecorder:
         self._scope.install()
         self._compile.install()
         self._workers.install()
+        self._threads.__enter__()
         try:
             self._tracker.__enter__()
         except BaseException:
+            self._threads.__exit__(None, None, None)
             self._workers.remove()
             self._compile.remove()
             self._scope.remove()
@@ -73,6 +78,7 @@ class CpuRecorder:
         # whenever the collector next happens to run: survivors are what is still held.
         gc.collect()
         try:
+            self._threads.__exit__(None, None, None)
             self._workers.remove()
             self._compile.remove()
             self._scope.remove()

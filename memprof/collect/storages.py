@@ -26,6 +26,7 @@ import bisect
 import itertools
 import os
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -62,7 +63,7 @@ def _stop_in_child() -> None:
     """A forked child (a DataLoader worker) records nothing: the parent's trace never sees
     its storages, and the dispatch mode it inherited would only slow it down."""
     for tracker in list(_RECORDING):
-        tracker._forked = True
+        tracker._forked = tracker._stopped = True
         if _get_current_dispatch_mode() is tracker:
             _pop_mode()
 
@@ -174,6 +175,9 @@ class StorageTracker(_PlainMode):
         self._epoch_us = 0
         self._origin_ns = 0
         self._forked = False
+        self._stopped = False  # a thread the script started may outlive the recording
+        # threads the script starts record too (``threads.py``): one at a time
+        self._lock = threading.RLock()
         self._on_free_callback = self._on_free  # one bound method for every weak reference
 
     def __enter__(self) -> StorageTracker:
@@ -193,13 +197,18 @@ class StorageTracker(_PlainMode):
         if _get_current_dispatch_mode() is not self:
             raise RuntimeError("a dispatch mode entered during recording is still active")
         super().__exit__(*exc)
-        self.survivors = [ref.event for ref in list(self._live.values())]
-        self._live.clear()  # dropping the weak references silences their callbacks
+        with self._lock:
+            self._stopped = True
+            self.survivors = [ref.event for ref in list(self._live.values())]
+            self._live.clear()  # dropping the weak references silences their callbacks
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if self._stopped:
+            return func(*args, **kwargs)
         if self._trim_at is not None and len(self.events) > self._trim_at:
-            self._trim()
+            with self._lock:
+                self._trim()
         out = func(*args, **kwargs)
         if not op_facts(func) & VIEW:  # a view's storage is its input's: nothing to record
             self._record(out, func, args, kwargs)
@@ -228,32 +237,34 @@ class StorageTracker(_PlainMode):
         """Record ``st``, a storage mapped from another process (a DataLoader worker's
         batch, ``worker_batches.py``), as allocated now, where ``frame`` runs."""
         key = st._cdata
-        if key not in self._live:
-            self._alloc(st, key, frame)
+        with self._lock:
+            if key not in self._live:
+                self._alloc(st, key, frame)
 
     def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
-        frame = None
-        inputs = None
-        facts = op_facts(func)
-        for t in (out,) if type(out) is torch.Tensor else tensors_in(out):
-            for st in storages_behind(t):
-                key = st._cdata
-                ref = self._live.get(key)
-                if ref is not None:
-                    if ref.event[SIZE] == st.nbytes():
-                        continue
+        with self._lock:
+            frame = None
+            inputs = None
+            facts = op_facts(func)
+            for t in (out,) if type(out) is torch.Tensor else tensors_in(out):
+                for st in storages_behind(t):
+                    key = st._cdata
+                    ref = self._live.get(key)
+                    if ref is not None:
+                        if ref.event[SIZE] == st.nbytes():
+                            continue
+                        frame = frame or self._op_frame()
+                        self._free(ref, frame)  # resized in place: a new block, like realloc
+                    # lift_fresh returns torch.tensor()'s new data
+                    elif facts & MAY_ALIAS and func is not _LIFT_FRESH:
+                        if inputs is None:
+                            inputs = self._input_keys(args, kwargs)
+                        if key in inputs:
+                            continue
                     frame = frame or self._op_frame()
-                    self._free(ref, frame)  # resized in place: a new block, like realloc
-                # lift_fresh returns torch.tensor()'s new data
-                elif facts & MAY_ALIAS and func is not _LIFT_FRESH:
-                    if inputs is None:
-                        inputs = self._input_keys(args, kwargs)
-                    if key in inputs:
-                        continue
-                frame = frame or self._op_frame()
-                self._alloc(st, key, frame)
-                if facts & (SCORES | FUSED):
-                    self._classify(facts, t)
+                    self._alloc(st, key, frame)
+                    if facts & (SCORES | FUSED):
+                        self._classify(facts, t)
 
     def _trim(self) -> list[int]:
         """Drop the oldest events down to ``max_entries``, but for the alloc events of blocks
@@ -321,9 +332,10 @@ class StorageTracker(_PlainMode):
         self.events.append(event)
 
     def _on_free(self, ref: _StorageRef) -> None:
-        if not self._forked and self._live.get(ref.key) is ref:
-            # f_back: None when a C++ thread (gloo's) drops the last reference
-            self._free(ref, sys._getframe().f_back)
+        with self._lock:
+            if not self._stopped and self._live.get(ref.key) is ref:
+                # f_back: None when a C++ thread (gloo's) drops the last reference
+                self._free(ref, sys._getframe().f_back)
 
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
         del self._live[ref.key]

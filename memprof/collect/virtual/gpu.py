@@ -27,6 +27,7 @@ from torch.optim.optimizer import _foreach_supported_types
 from torch.overrides import _get_current_function_mode_stack
 
 from memprof.collect.eager_compile import EagerCompile
+from memprof.collect.threads import inherited
 from memprof.collect.virtual import autocast
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.checkpoints import Checkpoints
@@ -83,6 +84,7 @@ class VirtualGpu:
         self._autocast = autocast.install()
         self._checkpoints.install()
         self._sizes.__enter__()
+        inherited(self._routing)  # threads the script starts make CUDA tensors virtual too
         self._routing.__enter__()
         return self
 

@@ -1,0 +1,81 @@
+"""Threads the script starts while memprof records get memprof's modes too.
+
+PyTorch keeps dispatch and torch-function modes per thread: autograd hands its workers
+the modes of the thread that ran ``backward()``, but a Python thread starts with none.
+What a thread the script starts allocates was then never recorded: transformers'
+``from_pretrained`` loads its weights on a thread pool, and a CPU run of a fine-tuning
+script reported no parameters at all.
+
+    inherited(tracker)  # a mode of memprof's that new threads get
+    with ThreadModes():
+        train()  # threads started here run with the modes of ``inherited`` that the
+                 # starting thread has active, entered around their ``run``
+
+The modes must tolerate several threads (``StorageTracker`` takes a lock), and must do
+nothing once their recording has ended: a thread may outlive it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch.overrides
+import torch.utils._python_dispatch as dispatch
+from torch.overrides import _get_current_function_mode_stack
+
+_INHERITED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def inherited(mode: Any) -> None:
+    """Make ``mode`` (a dispatch or torch-function mode of memprof's) one that threads
+    started while it is active get."""
+    _INHERITED.add(mode)
+
+
+class ThreadModes:
+    """While entered, ``threading.Thread.start`` gives the new thread the starting thread's
+    inherited modes (single use)."""
+
+    def __init__(self) -> None:
+        self._start: Callable[..., None] | None = None
+
+    def __enter__(self) -> ThreadModes:
+        original = self._start = threading.Thread.start
+
+        def start(thread: threading.Thread, *args: Any, **kwargs: Any) -> None:
+            functions = [m for m in _get_current_function_mode_stack() if m in _INHERITED]
+            dispatches = [m for m in dispatch._get_current_dispatch_mode_stack()
+                          if m in _INHERITED]
+            if functions or dispatches:
+                thread.run = _with_modes(thread.run, functions, dispatches)  # type: ignore[method-assign]
+            original(thread, *args, **kwargs)
+
+        start.__doc__ = original.__doc__
+        threading.Thread.start = start  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._start is not None:
+            threading.Thread.start = self._start  # type: ignore[method-assign]
+            self._start = None
+
+
+def _with_modes(run: Callable[[], None], functions: list[Any], dispatches: list[Any]
+                ) -> Callable[[], None]:
+    def run_with_modes() -> None:
+        for mode in functions:  # bottom of the stack first, as the starting thread has them
+            torch.overrides._push_mode(mode)
+        for mode in dispatches:
+            dispatch._push_mode(mode)
+        try:
+            run()
+        finally:
+            for _ in dispatches:
+                dispatch._pop_mode()
+            for _ in functions:
+                torch.overrides._pop_mode()
+
+    return run_with_modes
