@@ -65,7 +65,9 @@ def test_a_number_field_of_any_other_type_is_refused(path, value):
     (("allocator_settings",), {"roundup_power2_divisions": {"x": 1}}),
     (("allocator_settings",), {"roundup_power2_divisions": [-4]}),
     (("memprof",), {"steps": [-5, 10**12]}), (("memprof",), {"labels": [[0, "nonsense"]]}),
-    (("memprof",), {"device": "0"}), (("device_traces", 0, 0, "action"), ["alloc"]),
+    (("memprof",), {"device": "0"}), (("memprof",), {"segment_pools": [[0, (1, -2)]]}),
+    (("memprof",), {"segment_pools": {"0": [1, 0]}}),
+    (("device_traces", 0, 0, "action"), ["alloc"]),
     (("device_traces", 0, 0, "action"), ((((),),),)),
 ])
 def test_bad_structure_and_settings_are_refused(path, value):

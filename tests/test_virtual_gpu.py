@@ -620,6 +620,10 @@ def test_cuda_graphs_capture_into_a_private_pool_and_replay_without_allocating(
     assert out["handle"] == [0, 2]  # make_graphed_callables took the first
     assert out["graphed"] == [[64, 8], True] and out["capturing"] is False
     assert report(where / "out")["run"]["exit"]["status"] == "completed"
+    # explain's replay knows the pool of the graph's segment, freed before the end
+    replay = device_of(where)["replay"]
+    assert replay["decisions_matched"] == replay["decisions_total"]
+    assert replay["reserved_bytes_predicted_peak"] == replay["reserved_bytes_recorded_peak"]
 
 
 def test_a_process_group_over_nccl_is_refused_in_one_line(runs: dict[str, Future[Any]]

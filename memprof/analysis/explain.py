@@ -88,7 +88,8 @@ def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[Alloca
     trace = snapshot.traces.get(device)
     segments = snapshot.segments_of(device)
     # an unmodelled backend still gets the native rules for the timeline; the summary says so
-    result = replay(trace, segments, replace(snapshot.settings, backend="native"))
+    result = replay(trace, segments, replace(snapshot.settings, backend="native"),
+                    snapshot.segment_pools.get(device))
     table = intervals(trace, result)
     n = 0 if trace is None else len(trace)
 

@@ -42,6 +42,9 @@ class Layout:
     trace: list[Event]
     segments: list[dict[str, Any]]
     position: array[int]  # where each input event landed in ``trace`` (-1: dropped)
+    # every private-pool segment the trace grew (a CUDA graph's), by address: the trace's
+    # events do not say, and the final segments lack those already freed
+    pools: dict[int, tuple[int, int]]
 
 
 def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
@@ -81,6 +84,7 @@ class Placer:
         self._segments: dict[int, Segment] = {}
         self._totals: dict[int, int] = {}
         self._changes = alloc.segment_changes
+        self._pools: dict[int, tuple[int, int]] = {}
 
     def add(self, event: Event) -> None:
         """Place one event of the input trace."""
@@ -151,6 +155,8 @@ class Placer:
                 action = "segment_map" if seg.expandable else "segment_alloc"
                 addr = seg.addr + totals.get(seg.addr, 0) if seg.expandable else seg.addr
                 self.trace.append((action, addr, added, seg.stream, time_us, grown_by))
+                if seg.pool != DEFAULT_POOL:
+                    self._pools[seg.addr] = seg.pool
         self._segments = dict(alloc.segments)
         self._totals = {addr: seg.total for addr, seg in alloc.segments.items()}
         self._changes = alloc.segment_changes
@@ -158,7 +164,7 @@ class Placer:
     def layout(self, device: int = 0) -> Layout:
         """The trace so far and the allocator's segments now."""
         return Layout(list(self.trace), snapshot_segments(self.alloc, device, self._stacks),
-                      array("q", self.position))
+                      array("q", self.position), dict(self._pools))
 
 
 def _moved(event: TraceEvent, addr: int) -> TraceEvent:

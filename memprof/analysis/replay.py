@@ -169,15 +169,18 @@ class _Decisions:
 
 
 def replay(trace: DeviceTrace | None, segments: list[Segment],
-           settings: AllocatorSettings | None = None) -> Replay:
-    """Replay ``trace`` (which ends in the state ``segments``) and check it against them."""
+           settings: AllocatorSettings | None = None,
+           pools: dict[int, tuple[int, int]] | None = None) -> Replay:
+    """Replay ``trace`` (which ends in the state ``segments``) and check it against them;
+    ``pools``: the private pool of segments the final ones lack, by address, where known."""
     settings = settings or AllocatorSettings()
     n = 0 if trace is None else len(trace)
     alloc = CachingAllocator(settings)
     initial = rebuild_start(alloc, segments, trace)
     initial_allocated, initial_reserved = alloc.allocated, alloc.reserved
     # private pools only: most snapshots have none, and then allocations look nothing up
-    pools = {s.address: s.pool_id for s in segments if s.pool_id != DEFAULT_POOL}
+    pools = {**(pools or {}),
+             **{s.address: s.pool_id for s in segments if s.pool_id != DEFAULT_POOL}}
 
     zeros = array("q", [0])
     block_size, delta_res, delta_pred = zeros * n, zeros * n, zeros * n

@@ -97,7 +97,8 @@ def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
                         layout: Layout | None = None) -> dict[str, Any]:
     """Place a GPU-less recording in CUDA memory as the caching allocator would
     (or as ``layout``, placed while it ran, already has); the recording's trace is
-    consumed, so ``snapshot`` is the prediction's to keep."""
+    consumed, so ``snapshot`` is the prediction's to keep. Its ``memprof`` key gains
+    ``segment_pools``, ``[address, pool id]`` of every private-pool segment placed."""
     layout = layout or lay_out(snapshot["device_traces"][0], settings, consume=True)
     meta = snapshot["memprof"]
     at = layout.position
@@ -113,6 +114,7 @@ def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
             **meta,
             # steps are exclusive ends: the event after the step's last one
             "steps": [at[end - 1] + 1 if end else 0 for end in meta["steps"]],
+            "segment_pools": [[addr, list(pool)] for addr, pool in sorted(layout.pools.items())],
         },
     }
 

@@ -156,6 +156,8 @@ class Snapshot:
     model_files: frozenset[str] = frozenset()  # files defining those modules' forward
     tags: dict[int, dict[int, str]] = field(default_factory=dict)  # alloc event -> TAGS entry
     dropped: dict[int, int] = field(default_factory=dict)  # events memprof's ring buffer dropped
+    # private-pool segments by address, those freed before the end too (a prediction's)
+    segment_pools: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def devices(self) -> list[int]:

@@ -162,8 +162,7 @@ def _segments(raw: list, table: FrameTable) -> list[Segment]:
             blocks.append(block)
             addr = block.address + block.size
         pool = s.get("segment_pool_id") or (0, 0)
-        if type(pool) not in (tuple, list) or len(pool) != 2 or not all(
-                type(p) is int and 0 <= p < 1 << 62 for p in pool):
+        if not _is_pool_id(pool):
             raise NotASnapshot(f"{where}: 'segment_pool_id' is {describe(pool)}, not a pair of"
                                " numbers")
         total_size = integer(s, "total_size", where, MAX_BYTES)
@@ -372,6 +371,19 @@ def _memprof_extra(snapshot: Snapshot, extra: dict) -> None:
         raise NotASnapshot(f"{where}: 'model_files' is not a list of file names")
     snapshot.model_files = frozenset(files)
     snapshot.tags = {device: dict(tags)}
+    pools = extra.get("segment_pools") or []
+    if type(pools) is not list or not all(
+            type(p) in (list, tuple) and len(p) == 2 and type(p[0]) is int and p[0] >= 0
+            and _is_pool_id(p[1]) for p in pools):
+        raise NotASnapshot(f"{where}: 'segment_pools' is not a list of (segment address,"
+                           " pool id) pairs")
+    snapshot.segment_pools = {device: {addr: (pool[0], pool[1]) for addr, pool in pools}}
+
+
+def _is_pool_id(pool: object) -> bool:
+    """A ``segment_pool_id``: two non-negative numbers."""
+    return type(pool) in (tuple, list) and len(pool) == 2 and all(
+        type(p) is int and 0 <= p < 1 << 62 for p in pool)
 
 
 def _event_pairs(extra: dict, key: str, n: int, allowed: tuple[str, ...], what: str
