@@ -495,8 +495,14 @@ def test_tensors_made_on_threads_the_script_starts_are_recorded() -> None:
         kept.append(late.submit(torch.empty, 4000).result())
 
     snapshot = _record(body)
-    sizes = sorted(e["size"] for e in _events(snapshot) if e["action"] == "alloc")
-    assert sizes == [n * F32 for n in (1000, 2000, 3000, 4000)]
+    allocs = sorted((e for e in _events(snapshot) if e["action"] == "alloc"),
+                    key=lambda e: e["size"])
+    assert [e["size"] for e in allocs] == [n * F32 for n in (1000, 2000, 3000, 4000)]
+    for event in allocs:  # where the thread was started: body's line, not memprof's frames
+        names = [(Path(f["filename"]).name, f["name"]) for f in event["frames"]]
+        assert (Path(__file__).name, "body") in names, names
+        assert not [f for f in event["frames"] if "memprof/collect" in f["filename"]]
+        assert names[-1] != ("threading.py", "_bootstrap")
     assert late.submit(torch.ones, 5).result().sum() == 5  # the stopped recorder steps aside
     late.shutdown()
     assert threading.Thread.start is _THREAD_START  # and the patch is gone

@@ -78,6 +78,7 @@ print(json.dumps({
     "stats": [stats["allocation.all.current"],
               stats["allocated_bytes.all.allocated"] - stats["allocated_bytes.all.freed"]],
     "summary": summary.splitlines()[1].split()[:3], "threaded": threaded.result(),
+    "cuda_version": torch.version.cuda,
 }))
 """
 
@@ -542,7 +543,7 @@ def test_torch_cuda_answers_as_the_card(runs: dict[str, Future[Any]]) -> None:
         "pinned_empty": "cpu",
         # the six tensors above and the workspace; what was allocated less what was freed
         "stats": [7, seen["allocated"]], "summary": ["|", "PyTorch", "CUDA"],
-        "threaded": "cuda:0"}
+        "threaded": "cuda:0", "cuda_version": "12.8"}
     assert result.stderr.count("hold no values") == 1
     assert result.stderr.count("torch.compile ran the model eagerly") == 1  # said once
 

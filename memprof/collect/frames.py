@@ -35,13 +35,15 @@ class StackCapture:
         # themselves, held so that their ids are never reused while they are known
         self._tokens: dict[int, int] = {}
         self._held: dict[int, FrameType] = {}
+        # id(frame) -> the stack a thread's stacks continue with from that frame outwards
+        self._origins: dict[int, Stack] = {}
 
     def pin(self, frame: FrameType | None) -> None:
         """Note the frames from ``frame`` outwards (those around a recording), or forget
         every known frame (None). While a function's frame runs, the frames outside it stay
         as they are, so a stack that reaches one of these is known from there on without
         walking."""
-        self._tokens, self._held = {}, {}
+        self._tokens, self._held, self._origins = {}, {}, {}
         while frame is not None:
             if not frame.f_code.co_flags & _RESUMABLE:
                 self._tokens[id(frame)] = id(frame)
@@ -57,10 +59,20 @@ class StackCapture:
         self._tokens[id(frame)] = token
         self._held[id(frame)] = frame
 
+    def continue_with(self, frame: FrameType, origin: Stack) -> None:
+        """Stacks captured inside ``frame`` (the outermost of a thread's own that matter)
+        continue with ``origin`` (where the thread was started) instead of the thread's
+        bootstrap frames, until ``release``: a weight loaded on a pool thread is the
+        ``from_pretrained`` line's."""
+        self._tokens[id(frame)] = id(origin)  # interned: its id is that stack's, for good
+        self._held[id(frame)] = frame
+        self._origins[id(frame)] = origin
+
     def release(self, frame: FrameType) -> None:
-        """Forget a frame ``hold`` noted (its call is returning)."""
+        """Forget a frame ``hold`` or ``continue_with`` noted (its call is returning)."""
         self._tokens.pop(id(frame), None)
         self._held.pop(id(frame), None)
+        self._origins.pop(id(frame), None)
 
     def capture(self, frame: FrameType | None) -> Stack:
         """Return the stack from `frame` outwards (shared with every capture of it)."""
@@ -84,8 +96,13 @@ class StackCapture:
         return stack
 
     def _build(self, frame: FrameType | None) -> Stack:
-        stack = []
+        stack: list[Frame] = []
+        origins = self._origins
         while frame is not None:
+            origin = origins.get(id(frame)) if origins else None
+            if origin is not None:
+                stack += origin
+                break
             code = frame.f_code
             if code in HIDDEN_CODES:
                 frame = frame.f_back

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import (
 from memprof.collect.frames import StackCapture
 from memprof.collect.op_facts import FUSED, MAY_ALIAS, SCORES, VIEW, op_facts
 from memprof.collect.score_ops import is_square
-from memprof.trace.events import ACTION, ADDR, SIZE, STREAM, TraceEvent
+from memprof.trace.events import ACTION, ADDR, SIZE, STREAM, Stack, TraceEvent
 
 # Addresses for storages without a usable data pointer (zero bytes, meta, fake, or a
 # pointer another live storage already reports): above every user-space pointer.
@@ -232,6 +232,15 @@ class StorageTracker(_PlainMode):
 
     def release_frame(self, frame: FrameType) -> None:
         self._stacks.release(frame)
+
+    def thread_starting(self, frame: FrameType) -> Stack:
+        """The stack where the script starts a thread (``threads.py``), ``frame`` inwards."""
+        return self._stacks.capture(frame)
+
+    def thread_running(self, frame: FrameType, origin: Stack) -> None:
+        """A thread the script started runs ``frame``: stacks inside it continue with
+        ``origin`` (``thread_starting``'s), until ``release_frame``."""
+        self._stacks.continue_with(frame, origin)
 
     def adopt_shared(self, st: torch.UntypedStorage, frame: FrameType | None) -> None:
         """Record ``st``, a storage mapped from another process (a DataLoader worker's

@@ -9,7 +9,9 @@ script reported no parameters at all.
     inherited(tracker)  # a mode of memprof's that new threads get
     with ThreadModes():
         train()  # threads started here run with the modes of ``inherited`` that the
-                 # starting thread has active, entered around their ``run``
+                 # starting thread has active, entered around their ``run``; a mode with
+                 # ``thread_starting`` (the tracker) gets the stack where each started, and
+                 # the thread's stacks continue with it
 
 The modes must tolerate several threads (``StorageTracker`` takes a lock), and must do
 nothing once their recording has ended: a thread may outlive it.
@@ -17,6 +19,7 @@ nothing once their recording has ended: a thread may outlive it.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -50,7 +53,10 @@ class ThreadModes:
             dispatches = [m for m in dispatch._get_current_dispatch_mode_stack()
                           if m in _INHERITED]
             if functions or dispatches:
-                thread.run = _with_modes(thread.run, functions, dispatches)  # type: ignore[method-assign]
+                caller = sys._getframe(1)
+                origins = [(m, m.thread_starting(caller)) for m in dispatches
+                           if hasattr(m, "thread_starting")]
+                thread.run = _with_modes(thread.run, functions, dispatches, origins)  # type: ignore[method-assign]
             original(thread, *args, **kwargs)
 
         start.__doc__ = original.__doc__
@@ -63,9 +69,12 @@ class ThreadModes:
             self._start = None
 
 
-def _with_modes(run: Callable[[], None], functions: list[Any], dispatches: list[Any]
-                ) -> Callable[[], None]:
+def _with_modes(run: Callable[[], None], functions: list[Any], dispatches: list[Any],
+                origins: list[tuple[Any, Any]]) -> Callable[[], None]:
     def run_with_modes() -> None:
+        frame = sys._getframe()
+        for mode, origin in origins:  # stacks in the thread go on where it was started
+            mode.thread_running(frame, origin)
         for mode in functions:  # bottom of the stack first, as the starting thread has them
             torch.overrides._push_mode(mode)
         for mode in dispatches:
@@ -77,5 +86,7 @@ def _with_modes(run: Callable[[], None], functions: list[Any], dispatches: list[
                 dispatch._pop_mode()
             for _ in functions:
                 torch.overrides._pop_mode()
+            for mode, _ in origins:
+                mode.release_frame(frame)
 
     return run_with_modes

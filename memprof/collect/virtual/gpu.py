@@ -65,6 +65,8 @@ class VirtualGpu:
         patches[(torch, "compile")] = EagerCompile("virtual GPU")
         patches[(torch, "clear_autocast_cache")] = _clear_autocast_cache
         patches[(torch, "Generator")] = VirtualGenerator
+        # a CUDA build's: libraries gate CUDA features on it (transformers' tf32=True)
+        patches[(torch.version, "cuda")] = CUDA_VERSION
         patches.update(self._host_state.patches())
         patches.update(self._checkpoints.patches())
         patches.update(self._graphs.patches())
@@ -121,6 +123,7 @@ class VirtualGpu:
 
 
 _ABSENT = object()  # a patched name the module did not have
+CUDA_VERSION = "12.8"  # torch.version.cuda on the virtual GPU: the CUDA of PyTorch's wheels
 
 
 def _copy(value: Any) -> Any:
