@@ -234,7 +234,7 @@ class StorageTracker(_PlainMode):
         self._stacks.release(frame)
 
     def thread_starting(self, frame: FrameType) -> Stack:
-        """The stack where the script starts a thread (``threads.py``), ``frame`` inwards."""
+        """The stack where the script starts a thread (``threads.py``), ``frame`` outwards."""
         return self._stacks.capture(frame)
 
     def thread_running(self, frame: FrameType, origin: Stack) -> None:
