@@ -152,3 +152,32 @@ def test_a_list_that_keeps_a_tensor_every_step_is_a_leak(tmp_path: Path, steps: 
     assert (leak["growth_per_step_bytes"], leak["steps"]) == (per_step, steps - 2)
     assert leak["site"]["line"] == 8
     assert "PROBABLE LEAK" in stderr
+
+
+def _table_rows(peaks: list[int], ends: list[int]) -> list[tuple[str, ...]]:
+    from rich.console import Console
+
+    from memprof.analysis.findings import StepPeak
+    from memprof.report.console import steps_table
+
+    steps = [StepPeak(k + 1, 0, 0, p, e) for k, (p, e) in enumerate(zip(peaks, ends, strict=True))]
+    console = Console(width=100, record=True)
+    console.print(steps_table(steps))
+    lines = console.export_text().splitlines()[2:]  # past the title and the header
+    return [tuple(line.split(maxsplit=1)) for line in lines if line.strip()]
+
+
+def test_steps_that_read_the_same_share_a_row_and_the_peak_has_its_own() -> None:
+    rows = _table_rows([80 * MIB, 87 * MIB, *[87 * MIB] * 39], [12 * MIB] * 41)
+    assert [r[0] for r in rows] == ["1", "2", "3–41"]
+    assert "← peak" in rows[1][1] and "← peak" not in rows[2][1]
+
+
+def test_a_long_run_of_distinct_steps_shows_its_ends_and_its_peak() -> None:
+    peaks = [(k + 1) * MIB for k in range(100)]
+    peaks[40] = 500 * MIB  # step 41
+    rows = _table_rows(peaks, peaks)
+    labels = [r[0] for r in rows]
+    assert labels[:8] == [str(k) for k in range(1, 9)] and labels[-7:] == [
+        str(k) for k in range(94, 101)]
+    assert "41" in labels and labels.count("…") == 2 and len(rows) <= 19

@@ -136,3 +136,22 @@ def test_a_backpropagated_eval_mode_forward_is_not_an_evaluation():
     # backpropagates through (a teacher, a frozen encoder) keeps its graph for a reason
     assert [tag for _, tag in eval_tags(backward=False)] == [EVAL_ACTIVATIONS] * 2
     assert eval_tags(backward=True) == []
+
+
+def test_sdpa_on_the_cpus_math_fallback_counts_as_fused_attention():
+    # with dropout, the CPU runs scaled_dot_product_attention as softmax(q @ k^T) @ v: the
+    # scores are saved, but the script already calls the kernel CUDA runs fused
+    from memprof.collect.cpu_recorder import CpuRecorder
+
+    class Attention(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.scaled_dot_product_attention(
+                x, x, x, dropout_p=0.1, is_causal=True)
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), Attention())
+    optimizer = torch.optim.SGD(model.parameters())
+    with CpuRecorder() as recorder:
+        model(torch.randn(2, 4, 64, 16)).sum().backward()
+        optimizer.step()
+    attention = recorder.snapshot()["memprof"]["model"]["attention"]
+    assert attention["fused"] is True and attention["score_shape"] == [2, 4, 64, 64]

@@ -23,6 +23,7 @@ class Advice:
     ranked: list[Ranked]
     plan: Plan
     context: Context
+    excluded: tuple[str, ...] = ()  # remedies --verify measured saving nothing: not planned
 
 
 def advise(run: Run, budget: Budget, gpus: int = 1) -> Advice:

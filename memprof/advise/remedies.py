@@ -66,6 +66,12 @@ class Context:
         blocks = self.model.get("repeated_blocks") or []
         return blocks[0] if blocks else None
 
+    @property
+    def transformers(self) -> bool:
+        """Whether the model is a Hugging Face transformers model (its blocks' classes are
+        that library's): its snippets use the library's own switches."""
+        return str((self.block or {}).get("module", "")).startswith("transformers.")
+
 
 @dataclass(frozen=True)
 class Remedy:
@@ -134,8 +140,8 @@ def _precision(ctx: Context, busy: bool) -> list[Remedy]:
 
 def _checkpointing(ctx: Context) -> list[Remedy]:
     block = ctx.block
-    if block is None:
-        return []
+    if block is None or block["class"] in (ctx.model.get("checkpointed") or []):
+        return []  # no blocks, or the script checkpoints them already
     n, name = block["count"], block["class"]
 
     shares = ctx.block_shares or {ACTIVATIONS: 1.0, TEMPORARIES: 1.0}
@@ -155,6 +161,9 @@ def _checkpointing(ctx: Context) -> list[Remedy]:
         "checkpointing", 6, "compute: one more forward of each block in backward (~30%)",
         SEEDS["003"], f"{common}; one block's activations are recomputed at a time",
         keeping(n),
+        "model.gradient_checkpointing_enable(\n"
+        '    gradient_checkpointing_kwargs={"use_reentrant": False})'
+        "  # or TrainingArguments(gradient_checkpointing=True)" if ctx.transformers else
         "from torch.utils.checkpoint import checkpoint\n\n"
         f"# where the model calls its {name} modules, e.g. in its forward:\n"
         f"for block in blocks:  # the {n} {name} modules\n"
@@ -175,19 +184,25 @@ def _checkpointing(ctx: Context) -> list[Remedy]:
 
 
 def _micro_batches(ctx: Context) -> list[Remedy]:
+    def snippet(k: int) -> str:
+        if ctx.transformers:
+            return ("# the Trainer accumulates gradients itself; batch: the batch size now\n"
+                    f"TrainingArguments(..., per_device_train_batch_size=batch // {k},\n"
+                    f"                  gradient_accumulation_steps={k})")
+        return (f"for i, batch in enumerate(loader):  # batches 1/{k} as large\n"
+                f"    loss = compute_loss(model, batch) / {k}\n"
+                "    loss.backward()\n"
+                f"    if (i + 1) % {k} == 0:\n"
+                "        optimizer.step()\n"
+                "        optimizer.zero_grad(set_to_none=True)")
+
     return [Remedy(
         f"micro_batch_{k}", f"micro-batch 1/{k} with {k} accumulation steps", "batch",
         3 + k // 2, f"time: {k} forward/backward passes per optimizer step; same effective"
         " batch", SEEDS["003"],
         f"activations and temporaries scale with the batch: 1/{k} of them remain",
         lambda p, k=k: p.scaled({ACTIVATIONS: 1 / k, TEMPORARIES: 1 / k}, step_too=False),
-        f"for i, batch in enumerate(loader):  # batches 1/{k} as large\n"
-        f"    loss = compute_loss(model, batch) / {k}\n"
-        "    loss.backward()\n"
-        f"    if (i + 1) % {k} == 0:\n"
-        "        optimizer.step()\n"
-        "        optimizer.zero_grad(set_to_none=True)",
-        {"micro_batch": k}) for k in MICRO_BATCHES]
+        snippet(k), {"micro_batch": k}) for k in MICRO_BATCHES]
 
 
 def _optimizer_state(peak: Peak, ctx: Context) -> list[Remedy]:
@@ -278,7 +293,8 @@ def _model_state(peak: Peak, ctx: Context) -> list[Remedy]:
             SEEDS["004"], "adapters hold about 1% of the parameters: gradients and optimizer"
             " state shrink to 1%", lambda p: p.scaled({GRADIENTS: 0.01, OPTIMIZER_STATE: 0.01}),
             "from peft import LoraConfig, get_peft_model\n\n"
-            'model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))'))
+            "# adapters on every linear layer but the output (peft also takes names)\n"
+            'model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))'))
     if params and trainable < params and ctx.model.get("dtypes", {}).get("float32"):
         frozen_share = (params - trainable) / params
         found.append(Remedy(

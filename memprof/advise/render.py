@@ -12,12 +12,11 @@ from rich.text import Text
 from memprof.advise.advice import Advice
 from memprof.advise.peak import Peak
 from memprof.advise.plan import Ranked
+from memprof.advise.verify import BASELINE, PLAN, Failed, Measured, idle_remedies
 from memprof.report.console import CATEGORY_NAMES
 from memprof.report.json import SCHEMA
 from memprof.report.text import plain, visible
 from memprof.report.units import format_bytes as fb
-
-Measured = dict[str, Peak | None]
 
 
 def render(advice: Advice, console: Console, measured: Measured | None = None,
@@ -40,7 +39,8 @@ def render(advice: Advice, console: Console, measured: Measured | None = None,
     else:
         console.print(Text(f"Over the budget by {fb(gap)}.", "bold red"))
     if advice.ranked:
-        console.print(_ranking(advice.ranked, measured))
+        console.print(_ranking(advice.ranked, measured,
+                               {step.remedy.key for step in advice.plan.steps}))
     if measured is not None:
         console.print(_measured_note(advice, measured))
     if gap > 0:
@@ -52,7 +52,7 @@ def render(advice: Advice, console: Console, measured: Measured | None = None,
             f"\nNo --{batch['arg']} fits, not even 1", "bold"), f"({batch['runs']} runs)")
 
 
-def _ranking(ranked: list[Ranked], measured: Measured | None) -> Table:
+def _ranking(ranked: list[Ranked], measured: Measured | None, planned: set[str]) -> Table:
     t = Table(title="Remedies for this run, by bytes saved at the peak (each alone)",
               title_justify="left", header_style="bold", box=None)
     columns = ["remedy", "saves", "peak then", *(["measured peak"] if measured else []),
@@ -60,8 +60,9 @@ def _ranking(ranked: list[Ranked], measured: Measured | None) -> Table:
     for name in columns:
         t.add_column(name, justify="left" if name in ("remedy", "cost") else "right")
     for r in ranked:
-        if r.remedy.group == "batch" and r.remedy.verify["micro_batch"] > 4:
-            continue  # the plan may use them; the table keeps to 1/2 and 1/4
+        if (r.remedy.group == "batch" and r.remedy.verify["micro_batch"] > 4
+                and r.remedy.key not in planned):
+            continue  # the table keeps to 1/2 and 1/4, and what the plan uses
         row = [r.remedy.title, fb(r.saved), fb(r.peak.reserved)]
         if measured is not None:
             row.append(_shown(measured, r.remedy.key))
@@ -73,27 +74,35 @@ def _shown(measured: Measured, key: str) -> str:
     if key not in measured:
         return "estimate only"
     peak = measured[key]
+    if isinstance(peak, Failed):
+        return "failed"
     return "out of memory" if peak is None else fb(peak.reserved)
 
 
 def _measured_note(advice: Advice, measured: Measured) -> Text:
-    base = measured.get("baseline")
+    base = measured.get(BASELINE)
     text = "Measured by re-running the script"
-    if base is not None:
+    if isinstance(base, Peak):
         text += f" (as recorded, over the same steps: {fb(base.reserved)} reserved)"
-    if advice.plan.steps and "plan" not in measured:
-        text += "; the plan has steps memprof cannot apply itself, so it is estimated only"
-    if "plan" in measured and advice.plan.steps:
-        plan = measured["plan"]
-        text += (f"; the plan's remedies together: {_shown(measured, 'plan')}"
+    titles = {r.remedy.key: r.remedy.title for r in advice.ranked}
+    failed = {key: m for key, m in measured.items() if isinstance(m, Failed)}
+    if advice.plan.steps and PLAN not in measured:
+        text += ("; the plan has steps memprof could not apply, so it is estimated only"
+                 if any(s.remedy.key in failed for s in advice.plan.steps) else
+                 "; the plan has steps memprof cannot apply itself, so it is estimated only")
+    if PLAN in measured and advice.plan.steps:
+        plan = measured[PLAN]
+        text += (f"; the plan's remedies together: {_shown(measured, PLAN)}"
                  f" (estimated {fb(advice.plan.final(advice.start).reserved)})")
-        if plan is not None and base is not None:
+        if isinstance(plan, Peak) and isinstance(base, Peak):
             text += f", saving {fb(base.reserved - plan.reserved)}"
-    idle = [r.remedy.title for r in advice.ranked if base is not None
-            and (m := measured.get(r.remedy.key)) is not None and m.reserved >= base.reserved]
+    idle = [titles[key] for key in idle_remedies(measured) if key in titles]
     if idle:
-        text += (f". No change when memprof applied {', '.join(idle)}: the script may set it"
-                 " itself (e.g. autocast(enabled=False) behind a flag); change it there")
+        left = " (left out of the plan)" if advice.excluded else ""
+        text += (f". No saving when memprof applied {', '.join(idle)}{left}: the script may"
+                 " already do it, or undo it itself")
+    for key, failure in failed.items():
+        text += f". {titles.get(key, key)} failed: {failure.reason}"
     return Text(text + ".", "dim")
 
 
@@ -125,9 +134,13 @@ def as_json(advice: Advice, measured: Measured | None = None,
     verified = measured or {}
     start = advice.start
 
-    def peak(p: Peak | None) -> dict[str, int] | None:
-        return None if p is None else {"reserved_bytes": p.reserved,
-                                       "allocated_bytes": p.allocated}
+    def peak(p: Peak | Failed | None) -> dict[str, int] | None:
+        return {"reserved_bytes": p.reserved, "allocated_bytes": p.allocated} \
+            if isinstance(p, Peak) else None
+
+    def error(key: str) -> str | None:
+        failure = verified.get(key)
+        return failure.reason if isinstance(failure, Failed) else None
 
     return {
         "schema": SCHEMA,
@@ -143,16 +156,18 @@ def as_json(advice: Advice, measured: Measured | None = None,
                 "peak": peak(r.peak), "cost": r.remedy.cost_text, "seed": r.remedy.seed,
                 "assumptions": r.remedy.assumptions, "snippet": r.remedy.snippet,
                 "measured": peak(verified[r.remedy.key]) if r.remedy.key in verified else None,
-                "verified": r.remedy.key in verified,
+                "verified": r.remedy.key in verified and not error(r.remedy.key),
+                "verify_error": error(r.remedy.key),
             } for r in advice.ranked],
             "plan": {
                 "fits": advice.plan.fits,
                 "steps": [{"key": s.remedy.key, "peak": peak(s.peak)}
                           for s in advice.plan.steps],
                 "peak": peak(advice.plan.final(start)),
-                "measured": peak(verified["plan"]) if "plan" in verified else None,
+                "measured": peak(verified.get(PLAN)),
+                "excluded": list(advice.excluded),
             },
-            "baseline_measured": peak(verified["baseline"]) if "baseline" in verified else None,
+            "baseline_measured": peak(verified.get(BASELINE)),
             "fit_batch": batch,
         },
     }

@@ -67,7 +67,7 @@ class Rerun:
             report = out / "report.json"
             if not report.is_file():
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                raise MemprofError(f"re-running {' '.join(target)} failed: {last[:200]}")
+                raise MemprofError(f"re-running {' '.join(target)} failed: {_gist(last)}")
             data = json.loads(report.read_text())
         ended = data["run"]["exit"]
         if ended["status"] == "raised" and any(d.get("oom") for d in data["devices"]):
@@ -75,10 +75,15 @@ class Rerun:
         if ended["code"]:  # a peak from a run that failed is no measurement
             changed = f" with {json.dumps(apply)}" if apply else ""
             raise MemprofError(f"re-running {' '.join(target)}{changed} failed (exit code"
-                               f" {ended['code']}): {(ended.get('error') or '')[:200]}")
+                               f" {ended['code']}): {_gist(ended.get('error') or '')}")
         if not data["devices"]:
             raise MemprofError(f"re-running {' '.join(target)}: it made no CUDA tensor")
         return peak_of(max(data["devices"], key=lambda d: d["peak"]["reserved_bytes"]))
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the run is a CPU recording (``--device cpu``)."""
+        return self.where == ["--device", "cpu"]
 
     @property
     def script(self) -> str:
@@ -87,6 +92,15 @@ class Rerun:
     @property
     def args(self) -> list[str]:
         return self.target[self.target.index(self.script) + 1:]
+
+
+def _gist(error: str, limit: int = 200) -> str:
+    """An error's first line, cut at a word within ``limit`` characters."""
+    line = next((text.strip() for text in error.splitlines() if text.strip()), "")
+    if len(line) <= limit:
+        return line
+    cut = line.rfind(" ", 0, limit)
+    return line[:cut if cut > 0 else limit].rstrip(" ,:;") + " ..."
 
 
 def with_arg(args: list[str], name: str, value: int) -> list[str]:

@@ -1,17 +1,35 @@
-"""``--verify``: measure what the remedies memprof can apply itself really save."""
+"""``--verify``: measure what the remedies memprof can apply itself really save.
+
+A remedy whose re-run fails is shown as failed, with why, and the others are still
+measured; one that measurably saves nothing leaves the plan, which is made again without it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memprof.advise.advice import Advice
 from memprof.advise.peak import Peak
+from memprof.advise.plan import plan
 from memprof.advise.remedies import Remedy
 from memprof.advise.rerun import Rerun, value_of, with_arg
+from memprof.errors import MemprofError
 
 BASELINE = "baseline"
 PLAN = "plan"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A re-run that did not finish: no measurement."""
+
+    reason: str
+
+
+# a peak, None where the re-run ran out of memory, or why it failed
+Measured = dict[str, Peak | Failed | None]
 
 
 def verifiable(remedy: Remedy, batch_arg: str | None) -> bool:
@@ -20,22 +38,46 @@ def verifiable(remedy: Remedy, batch_arg: str | None) -> bool:
 
 
 def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
-           progress: Callable[[str], None]) -> dict[str, Peak | None]:
-    """Re-run the script as recorded (``baseline``), with each verifiable remedy of the
-    ranking, and with the whole plan when memprof can apply all its steps (``plan``): their
-    peaks (None where a run ran out of memory)."""
-    measured: dict[str, Peak | None] = {}
+           progress: Callable[[str], None]) -> tuple[Advice, Measured]:
+    """Re-run the script as recorded (``baseline``; its failure is an error), with each
+    verifiable remedy of the ranking, and with the whole plan when memprof can apply all
+    its steps (``plan``). Returns the advice, its plan made again without the remedies
+    that measured no saving (``Advice.excluded``), and the measurements."""
+    measured: Measured = {}
     progress("the run as recorded")
     measured[BASELINE] = rerun.peak()
     for ranked in advice.ranked:
         if verifiable(ranked.remedy, batch_arg):
             progress(ranked.remedy.title)
-            measured[ranked.remedy.key] = _run(rerun, [ranked.remedy.verify], batch_arg)
+            measured[ranked.remedy.key] = _attempt(rerun, [ranked.remedy.verify], batch_arg)
+    idle = tuple(idle_remedies(measured))
+    if any(step.remedy.key in idle for step in advice.plan.steps):
+        kept = [r.remedy for r in advice.ranked if r.remedy.key not in idle]
+        advice = replace(advice, plan=plan(advice.start, kept, advice.budget.bytes),
+                         excluded=idle)
     steps = advice.plan.steps
-    if steps and all(verifiable(s.remedy, batch_arg) for s in steps):
+    if steps and all(verifiable(s.remedy, batch_arg)
+                     and not isinstance(measured.get(s.remedy.key), Failed) for s in steps):
         progress("the whole plan")
-        measured[PLAN] = _run(rerun, [s.remedy.verify for s in steps], batch_arg)
-    return measured
+        measured[PLAN] = _attempt(rerun, [s.remedy.verify for s in steps], batch_arg)
+    return advice, measured
+
+
+def idle_remedies(measured: Measured) -> list[str]:
+    """The remedies whose measured peak is no lower than the baseline's."""
+    base = measured.get(BASELINE)
+    if not isinstance(base, Peak):
+        return []
+    return [key for key, peak in measured.items() if key not in (BASELINE, PLAN)
+            and isinstance(peak, Peak) and peak.reserved >= base.reserved]
+
+
+def _attempt(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None
+             ) -> Peak | Failed | None:
+    try:
+        return _run(rerun, specs, batch_arg)
+    except MemprofError as exc:
+        return Failed(exc.message)
 
 
 def _run(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None) -> Peak | None:
@@ -48,4 +90,6 @@ def _run(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None) -> Pe
         if "micro_batch" in spec and batch_arg is not None:
             batch = value_of(rerun.args, batch_arg)
             args = with_arg(rerun.args, batch_arg, max(1, batch // spec["micro_batch"]))
+    if "autocast" in apply and rerun.on_cpu:
+        apply["autocast_device"] = "cpu"  # the recording's CPU tensors stand in for CUDA's
     return rerun.peak(args, apply, conf)

@@ -74,8 +74,8 @@ def suggest(
         if verify:
             from memprof.advise.verify import verify as measure
 
-            measured = measure(advice, rerun, batch_arg,
-                               lambda what: notes.print(f"memprof: measuring {what} ..."))
+            advice, measured = measure(advice, rerun, batch_arg,
+                                       lambda what: notes.print(f"memprof: measuring {what} ..."))
         if fit_batch:
             batch = _fit(rerun, fit_batch, chosen.bytes, notes)
     if as_json:

@@ -1,9 +1,11 @@
 """Remedies memprof applies to an unmodified script, for ``memprof suggest --verify``.
 
 ``MEMPROF_APPLY`` (JSON) names them: ``{"autocast": "bfloat16"}`` runs each outermost
-module call (the forward pass) under CUDA autocast; ``{"checkpoint": "Block"}`` runs every
-module of class ``Block`` under activation checkpointing (from its class's first forward
-on: the first call of the first instance runs as written).
+module call (the forward pass) under CUDA autocast (with ``"autocast_device": "cpu"``, the
+CPU's: a CPU recording's tensors stand in for CUDA's); ``{"checkpoint": "Block"}`` runs
+every module of class ``Block`` under activation checkpointing (from its class's first
+forward on: the first call of the first instance runs as written, and so do the calls the
+script checkpoints itself).
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from memprof.collect.checkpointed import called_by_checkpoint
 
 ENV = "MEMPROF_APPLY"
 
@@ -34,8 +39,10 @@ def applied(asked: dict[str, Any]) -> Iterator[None]:
     """Apply ``asked`` (see the module doc) for the duration of the block."""
     with contextlib.ExitStack() as stack:
         dtype = asked.get("autocast")
-        if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-            stack.enter_context(_autocast_forward(getattr(torch, dtype)))
+        device = asked.get("autocast_device", "cuda")
+        if (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
+                and device in ("cuda", "cpu")):
+            stack.enter_context(_autocast_forward(getattr(torch, dtype), device))
         block = asked.get("checkpoint")
         if isinstance(block, str):
             stack.enter_context(_checkpointing(block))
@@ -43,8 +50,8 @@ def applied(asked: dict[str, Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _autocast_forward(dtype: torch.dtype) -> Iterator[None]:
-    """CUDA autocast around each outermost module call (the forward pass), as the
+def _autocast_forward(dtype: torch.dtype, device: str) -> Iterator[None]:
+    """``device``'s autocast around each outermost module call (the forward pass), as the
     recipe has it: not around backward or the optimizer step."""
     from torch.nn.modules.module import (
         register_module_forward_hook,
@@ -55,7 +62,7 @@ def _autocast_forward(dtype: torch.dtype) -> Iterator[None]:
 
     def enter(module: torch.nn.Module, args: object) -> None:
         if not open_ and torch.is_grad_enabled():
-            context = torch.autocast("cuda", dtype=dtype)
+            context = torch.autocast(device, dtype=dtype)
             context.__enter__()
             open_.append((module, context))
 
@@ -63,7 +70,10 @@ def _autocast_forward(dtype: torch.dtype) -> Iterator[None]:
         if open_ and open_[-1][0] is module:
             open_.pop()[1].__exit__(None, None, None)
 
-    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    # always_call: a forward that raises (checkpointing stops its recomputation early by
+    # raising) still closes its autocast
+    handles = [register_module_forward_pre_hook(enter),
+               register_module_forward_hook(leave, always_call=True)]
     try:
         yield
     finally:
@@ -94,7 +104,9 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     from torch.utils.checkpoint import checkpoint
 
     def run(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        # checkpointed by the script already (a recomputation must save what its forward
+        # saved): run as written
+        if not torch.is_grad_enabled() or called_by_checkpoint(sys._getframe(1)):
             return forward(self, *args, **kwargs)
         return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
     return run

@@ -7,11 +7,14 @@ saves for backward is: quadratic attention scores (a ``T x T`` output of a score
 ``score_ops.py``), or an activation of a forward run in eval mode (``model.eval()``) with
 grad enabled. The label hooks drop the eval tag from tensors a backward reads, so what
 remains was saved by forwards that nothing backpropagated (evaluation without ``no_grad``).
+It also notes the module classes the script runs under activation checkpointing
+(``checkpointed.py``).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils.hooks import RemovableHandle
 
+from memprof.collect.checkpointed import called_by_checkpoint
 from memprof.collect.frames import HIDDEN_CODES
 from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS
 
@@ -35,6 +39,7 @@ class ForwardFacts:
         self.score_dtype: str | None = None
         self.score_module: str | None = None  # the class whose forward computed it
         self.eval_module: str | None = None  # the outermost module of an eval forward
+        self.checkpointed: set[str] = set()  # classes the script runs under checkpointing
         self._largest = 0
         self._handle: RemovableHandle | None = None
         self._originals: list[tuple[type, Callable[..., Any]]] = []
@@ -59,6 +64,9 @@ class ForwardFacts:
     def before(self, module: torch.nn.Module) -> None:
         """A module's forward starts (called from the label hooks' pre-forward hook)."""
         self.stack.append(module)
+        name = type(module).__name__
+        if name not in self.checkpointed and called_by_checkpoint(sys._getframe(1)):
+            self.checkpointed.add(name)
 
     def tag(self, t: torch.Tensor, square_score: bool) -> str | None:
         """What a tensor saved for backward is, if a savings model needs to know."""
@@ -80,6 +88,7 @@ class ForwardFacts:
                           "score_dtype": self.score_dtype, "module": self.score_module}
             if seen else None,
             "eval_module": self.eval_module,
+            "checkpointed": sorted(self.checkpointed),
         }
 
     def _note_score(self, t: torch.Tensor) -> None:

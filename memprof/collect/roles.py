@@ -134,8 +134,8 @@ class RoleHooks:
             return
         self._modules.add(module)
         self._forward.before(module)
-        if self._autocast is None and torch.is_autocast_enabled("cuda"):
-            self._autocast = str(torch.get_autocast_dtype("cuda")).removeprefix("torch.")
+        if self._autocast is None:
+            self._autocast = _autocast_dtype(module)
         for p in module._parameters.values():
             if p is not None:
                 self._watch_param(p)
@@ -170,3 +170,18 @@ class RoleHooks:
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+
+def _autocast_dtype(module: torch.nn.Module) -> str | None:
+    """The dtype of the autocast a module's forward runs under: CUDA's, or the CPU's where
+    the module's weights are on the CPU (a CPU recording stands in for CUDA); else None."""
+    if torch.is_autocast_enabled("cuda"):
+        device = "cuda"
+    elif torch.is_autocast_enabled("cpu"):
+        weight = next((p for p in module._parameters.values() if p is not None), None)
+        if weight is None or weight.device.type != "cpu":
+            return None
+        device = "cpu"
+    else:
+        return None
+    return str(torch.get_autocast_dtype(device)).removeprefix("torch.")

@@ -19,7 +19,10 @@ def _packets(*names: str) -> frozenset[object]:
 
 SCORE_OPS = _packets("bmm", "baddbmm", "_softmax", "_safe_softmax", "masked_fill", "mul",
                      "div", "add", "where", "native_dropout", "empty_like", "_masked_softmax")
+# and _safe_softmax, which only SDPA's math fallback calls (the CPU's, with dropout): the
+# script calls scaled_dot_product_attention, which CUDA would run fused
 FUSED_ATTENTION_OPS = _packets(
+    "_safe_softmax",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",

@@ -311,7 +311,7 @@ class StorageTracker(_PlainMode):
         """Note what the new allocation's op (``op_facts``) tells the savings models."""
         if facts & SCORES and is_square(t):
             self.square_scores.add(id(self.events[-1]))
-        elif facts & FUSED:
+        if facts & FUSED:
             self.fused_attention = True
 
     @staticmethod

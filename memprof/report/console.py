@@ -162,17 +162,41 @@ def modules_table(live: Live, moment: str) -> Table:
     return t
 
 
+# rows of the per-step table before its middle is elided (report.json keeps every step)
+MAX_STEP_ROWS = 16
+
+
 def steps_table(steps: list[StepPeak]) -> Table:
-    """Peak and retained memory per optimizer step."""
+    """Peak and retained memory per optimizer step: consecutive steps that read the same
+    share a row, the peak's step has its own, and a long run shows its first and last rows."""
     t = Table(title="Per step (steps end at optimizer.step())", title_justify="left", box=None,
               header_style="bold")
     t.add_column("step", justify="right")
     t.add_column("peak allocated", justify="right")
     t.add_column("allocated after the step", justify="right")
     top = max(steps, key=lambda p: p.peak_allocated_bytes)
+    runs: list[list[StepPeak]] = []
     for p in steps:
-        mark = " ← peak" if p is top else ""
-        t.add_row(str(p.step), fb(p.peak_allocated_bytes) + mark, fb(p.end_allocated_bytes))
+        last = runs[-1][-1] if runs else None
+        if (last is None or p is top or last is top
+                or (fb(p.peak_allocated_bytes), fb(p.end_allocated_bytes))
+                != (fb(last.peak_allocated_bytes), fb(last.end_allocated_bytes))):
+            runs.append([p])
+        else:
+            runs[-1].append(p)
+    peak_run = next(i for i, run in enumerate(runs) if run[0] is top)
+    half = MAX_STEP_ROWS // 2
+    shown = set(range(len(runs))) if len(runs) <= MAX_STEP_ROWS else \
+        {*range(half), *range(len(runs) - half + 1, len(runs)), peak_run}
+    for i, run in enumerate(runs):
+        if i not in shown:
+            if i - 1 in shown:
+                t.add_row("…", "", "")
+            continue
+        first, last = run[0], run[-1]
+        label = str(first.step) if first is last else f"{first.step}–{last.step}"
+        mark = " ← peak" if first is top else ""
+        t.add_row(label, fb(first.peak_allocated_bytes) + mark, fb(first.end_allocated_bytes))
     return t
 
 
