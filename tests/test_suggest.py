@@ -270,3 +270,18 @@ def test_a_cpu_recording_verifies_autocast_on_the_cpu_and_sees_the_scripts_own(t
     run = load_run(tmp_path / "bf16")
     assert run.model["autocast"] == "bfloat16"
     assert "autocast" not in {r.remedy.key for r in advise(run, parse_budget("1MB")).ranked}
+
+
+def test_a_remedy_that_measures_no_saving_leaves_the_plan(tmp_path: Path):
+    assert memprof_run(tmp_path, "-o", "off", BLOCKS, "--no-autocast").code == 0
+    run = load_run(tmp_path / "off")
+    autocast = next(r for r in advise(run, parse_budget("1MB")).ranked
+                    if r.remedy.key == "autocast")
+    budget = str(autocast.peak.reserved + (1 << 20))  # autocast alone fits, on paper
+    assert [s["key"] for s in advice_json(tmp_path, "off", "--budget", budget)["plan"]["steps"]
+            ] == ["autocast"]
+    advice = advice_json(tmp_path, "off", "--budget", budget, "--verify")
+    measured = next(r for r in advice["remedies"] if r["key"] == "autocast")["measured"]
+    assert measured == advice["baseline_measured"]  # the model turns autocast off inside
+    assert "autocast" in advice["plan"]["excluded"]
+    assert "autocast" not in [s["key"] for s in advice["plan"]["steps"]]

@@ -99,8 +99,9 @@ def _measured_note(advice: Advice, measured: Measured) -> Text:
     idle = [titles[key] for key in idle_remedies(measured) if key in titles]
     if idle:
         left = " (left out of the plan)" if advice.excluded else ""
-        text += (f". No saving when memprof applied {', '.join(idle)}{left}: the script may"
-                 " already do it, or undo it itself")
+        text += (f". No measured saving when memprof applied {', '.join(idle)}{left}: the"
+                 " script may already do it or undo it, or what it frees stays in the"
+                 " allocator's cache")
     for key, failure in failed.items():
         text += f". {titles.get(key, key)} failed: {failure.reason}"
     return Text(text + ".", "dim")

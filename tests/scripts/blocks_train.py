@@ -1,6 +1,7 @@
 """Repeated residual MLP blocks trained for a few steps with AdamW: as written, with the
 blocks under the script's own activation checkpointing (``--ckpt``, reentrant or not), or
-its forward under CPU bf16 autocast (``--cpu-bf16``)."""
+its forward under CPU bf16 autocast (``--cpu-bf16``), or with CUDA autocast turned off
+inside the model (``--no-autocast``: a remedy applied from outside changes nothing)."""
 
 import argparse
 
@@ -21,17 +22,19 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, d: int, n: int, ckpt: str) -> None:
+    def __init__(self, d: int, n: int, ckpt: str, autocast: bool) -> None:
         super().__init__()
+        self.autocast = autocast
         self.blocks = nn.ModuleList(Block(d) for _ in range(n))
         self.head = nn.Linear(d, 1)
         self.ckpt = ckpt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x) if self.ckpt == "none" else checkpoint(
-                block, x, use_reentrant=self.ckpt == "reentrant")
-        return self.head(x)
+        with torch.autocast("cuda", enabled=self.autocast):
+            for block in self.blocks:
+                x = block(x) if self.ckpt == "none" else checkpoint(
+                    block, x, use_reentrant=self.ckpt == "reentrant")
+            return self.head(x)
 
 
 def main() -> None:
@@ -39,10 +42,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--ckpt", choices=["none", "reentrant", "non-reentrant"], default="none")
     p.add_argument("--cpu-bf16", action="store_true")
+    p.add_argument("--no-autocast", action="store_true")
     p.add_argument("--batch", type=int, default=16)
     a = p.parse_args()
     torch.manual_seed(0)
-    model = Net(128, 4, a.ckpt).to(a.device)
+    model = Net(128, 4, a.ckpt, not a.no_autocast).to(a.device)
     optimizer = torch.optim.AdamW(model.parameters())
     for _ in range(3):
         x = torch.randn(a.batch, 64, 128, device=a.device, requires_grad=a.ckpt == "reentrant")
