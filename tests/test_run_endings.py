@@ -26,18 +26,21 @@ def _train(tmp_path: Path, at_step: str, *args: str):
 
 
 def test_sigterm_writes_the_report_and_exits_143(tmp_path: Path) -> None:
-    result, out = _train(tmp_path, "if i == 2: os.kill(os.getpid(), signal.SIGTERM)")
+    result, out = _train(tmp_path, "if i == 2: os.kill(os.getpid(), signal.SIGTERM)",
+                         "--device", "cpu")
     assert result.code == 143, result.stderr
     run = report(out)["run"]
     assert run["exit"] == {"status": "stopped", "code": 143, "error": None}
     assert run["stopped_by"] == "SIGTERM" and run["optimizer_steps"] == 3
     assert "finished" not in result.stdout
+    assert ": stopped by SIGTERM, exit code 143" in result.stderr
 
 
 def test_steps_stop_cleanly(tmp_path: Path) -> None:
-    result, out = _train(tmp_path, "", "--steps", "4")
+    result, out = _train(tmp_path, "", "--steps", "4", "--device", "cpu")
     assert result.code == 0, result.stderr
     assert "stopped after 4 steps as asked" in result.stderr
+    assert ": stopped after 4 optimizer steps (--steps), exit code 0" in result.stderr
     run = report(out)["run"]
     assert run["stopped_by"] == "steps" and run["optimizer_steps"] == 4
 

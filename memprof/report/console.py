@@ -152,7 +152,7 @@ def modules_table(live: Live, moment: str) -> Table:
     t.add_column("bytes", justify="right")
     t.add_column("share", justify="right")
     t.add_column("blocks", justify="right")
-    t.add_column("module")
+    t.add_column("module", overflow="fold")  # cut, paths alike would all read the same
     t.add_column("model code")
     for m in live.modules:
         where = f"{short_path(m.frame.filename, 1)}:{m.frame.line} {m.frame.name}" if m.frame \

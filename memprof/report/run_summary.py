@@ -28,7 +28,7 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
     how = {"completed": "completed", "exited": f"exited with sys.exit({ended['code']})",
            "raised": f"raised {visible(_first_line(ended['error']))}",
            "interrupted": "was interrupted (Ctrl-C)",
-           "stopped": f"stopped by memprof ({run.get('stopped_by')})"}
+           "stopped": _stopped(run)}
     console.print(Text.assemble(
         ("memprof run ", "bold"), visible(" ".join(run["command"][2:])),
         f": {how[ended['status']]},"
@@ -97,6 +97,16 @@ def _peak_step(d: DeviceFindings) -> str:
         if p.start <= d.peak_event_index < p.end:
             return str(p.step)
     return "after the last step" if d.peak_event_index >= d.steps[-1].end else "before step 1"
+
+
+def _stopped(run: dict[str, Any]) -> str:
+    """How a run memprof ended early was stopped (``run.stopped_by``)."""
+    reason = run.get("stopped_by")
+    if reason == "steps":
+        return f"stopped after {run.get('optimizer_steps')} optimizer steps (--steps)"
+    if reason == "seconds":
+        return "stopped when --seconds ran out"
+    return f"stopped by {reason}"  # a signal: SIGTERM
 
 
 def _first_line(error: str | None, limit: int = 160) -> str:
