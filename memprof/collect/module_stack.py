@@ -27,6 +27,15 @@ _TORCH = str(Path(torch.__file__).resolve().parent)
 _Running = tuple[torch.nn.Module, str]
 
 
+class _Stacks(threading.local):
+    """Each thread's running modules: an attribute from its first access on, as a missing
+    attribute of a ``threading.local`` costs an exception, microseconds at every allocation
+    made outside every module."""
+
+    def __init__(self) -> None:
+        self.stack: list[_Running] = []
+
+
 def _next_sequence_nr() -> int:
     """The sequence number autograd gives the next node this thread creates."""
     return torch._C._autograd._get_sequence_nr()
@@ -37,7 +46,7 @@ class ModuleStack:
 
     def __init__(self) -> None:
         self.files: set[str] = set()  # files defining the seen modules' forward, outside torch
-        self._local = threading.local()
+        self._local = _Stacks()
         self._paths: WeakIdMap[str] = WeakIdMap()  # module -> path
         # where the innermost module changed in forward: sequence numbers, and the path from
         # there on (None: outside every module)
@@ -46,7 +55,7 @@ class ModuleStack:
 
     def enter(self, module: torch.nn.Module) -> str:
         """``module``'s forward starts on this thread: its path."""
-        stack = self._stack()
+        stack = self._local.stack
         path = self._path(module, stack)
         stack.append((module, path))
         self._mark(path)
@@ -54,7 +63,7 @@ class ModuleStack:
 
     def exit(self, module: torch.nn.Module) -> None:
         """``module``'s forward has ended on this thread."""
-        stack = self._stack()
+        stack = self._local.stack
         for i in range(len(stack) - 1, -1, -1):  # an exception may have skipped inner exits
             if stack[i][0] is module:
                 del stack[i:]
@@ -63,12 +72,12 @@ class ModuleStack:
 
     def current(self) -> str | None:
         """The path of the module running now on this thread, None outside every module."""
-        stack = getattr(self._local, "stack", None)  # asked at every allocation: no call
+        stack = self._local.stack  # asked at every allocation: no call
         return stack[-1][1] if stack else self.in_backward()
 
     def depth(self) -> int:
         """How many modules' forwards are running on this thread."""
-        return len(getattr(self._local, "stack", ()))
+        return len(self._local.stack)
 
     def in_backward(self) -> str | None:
         """The module whose forward made the autograd node this thread runs (None: none)."""
@@ -83,12 +92,6 @@ class ModuleStack:
         marks small."""
         if self._starts:
             self._starts, self._owners = [_next_sequence_nr()], [self._owners[-1]]
-
-    def _stack(self) -> list[_Running]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
 
     def _mark(self, path: str | None) -> None:
         if torch.is_grad_enabled():  # no graph, no backward to attribute
