@@ -125,6 +125,15 @@ def test_force_removes_stale_outputs(tmp_path: Path) -> None:
     assert not (out / "profile.json").exists() and (out / "report.json").exists()
 
 
+def test_no_timeline_skips_it_and_a_stale_one_goes(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "timeline.png").write_text("stale")
+    result, out = _train(tmp_path, "", "--force", "--no-timeline", "--device", "cpu")
+    assert result.code == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "snapshot.pickle"]
+    assert "Run folder:" in result.stderr and "(report.json, snapshot.pickle)" in result.stderr
+
+
 def test_manual_sgd_says_why_there_are_no_steps(tmp_path: Path) -> None:
     (tmp_path / "sgd.py").write_text(
         "import torch\nm = torch.nn.Linear(8, 8).cuda()\nfor i in range(3):\n"

@@ -223,11 +223,21 @@ def test_a_rerun_that_fails_is_shown_as_failed_not_measured(tmp_path: Path):
             " --batch 4096 failed (exit code 1): ValueError: this script needs batches of"
             " 8192.") in " ".join(result.stdout.split())
     assert "Traceback" not in result.stdout + result.stderr
-    advice = advice_json(tmp_path, "run", "--budget", "1MB", "--verify", "--batch-arg", "batch")
-    half = next(r for r in advice["remedies"] if r["key"] == "micro_batch_2")
-    assert (half["verified"], half["measured"]) == (False, None)
-    assert half["verify_error"].endswith("ValueError: this script needs batches of 8192")
-    assert advice["plan"]["measured"] is None  # the plan's micro-batches cannot run
+
+
+def test_json_gives_a_failed_remedy_its_error_and_no_measurement(runs: Path):
+    from memprof.advise.render import as_json
+    from memprof.advise.verify import BASELINE, Failed
+
+    advice = advise(load_run(runs / "mlp"), parse_budget("1MB"))
+    first, second = advice.ranked[:2]
+    measured = {BASELINE: advice.start, first.remedy.key: Failed("ValueError: too small"),
+                second.remedy.key: second.peak}
+    remedies = {r["key"]: r for r in as_json(advice, measured)["suggest"]["remedies"]}
+    assert remedies[first.remedy.key].items() >= {
+        "measured": None, "verified": False, "verify_error": "ValueError: too small"}.items()
+    assert remedies[second.remedy.key]["verified"] is True
+    assert remedies[second.remedy.key]["verify_error"] is None
 
 
 BLOCKS = Path(__file__).parent / "scripts" / "blocks_train.py"

@@ -59,7 +59,8 @@ class Rerun:
         conf = alloc_conf if alloc_conf is not None else self.alloc_conf
         with tempfile.TemporaryDirectory(prefix="memprof-suggest-") as scratch:
             out = Path(scratch) / "run"
-            argv = [sys.executable, "-m", "memprof", "run", "-o", str(out), *self.where,
+            argv = [sys.executable, "-m", "memprof", "run", "-o", str(out), "--no-timeline",
+                    *self.where,
                     *(["--steps", str(self.steps)] if self.steps else []),
                     *(["--alloc-conf", conf] if conf else []), *target]
             env = {**os.environ, "MEMPROF_APPLY": json.dumps(apply or {})}

@@ -62,6 +62,9 @@ def run(
     seconds: Annotated[float | None, typer.Option(
         "--seconds", min=0.001, help="Stop the script cleanly after this many seconds and"
         " write the report (exit 0).", show_default=False)] = None,
+    timeline: Annotated[bool, flag(
+        "--timeline/--no-timeline", help="Draw timeline.png, or skip it and matplotlib's"
+        " second of CPU (e.g. in CI).", show_default=False)] = True,
     max_peak: Annotated[str | None, typer.Option(
         "--max-peak", metavar="SIZE", help="Fail the run (exit 1) when its peak reserved"
         " memory exceeds SIZE (e.g. 20GiB): a memory gate for CI.", show_default=False)] = None,
@@ -131,7 +134,8 @@ def run(
             ended = True
             # a Ctrl-C or SIGTERM from now on only says so, a second abandons the report
             after_script.enter_context(finishing())
-            plot.start()  # matplotlib loads while the trace is analysed
+            if timeline:
+                plot.start()  # matplotlib loads while the trace is analysed
 
         try:
             if card is not None:
@@ -149,7 +153,7 @@ def run(
                 raise typer.Exit(recording.outcome.exit_code)
             with frozen():  # the script has ended: its objects wait for the exit
                 code = _finish(recording, target, folder, names, settings.conf, started, top,
-                               limit, plot)
+                               limit, plot if timeline else None)
         except KeyboardInterrupt:
             what = (f"while writing the report: {folder} holds only whole files" if ended else
                     "before the script started")
@@ -167,8 +171,10 @@ def run(
 
 
 def _finish(recording: Recording, target: Target, folder: Path, names: dict[str, str],
-            conf: str, started: str, top: int, limit: int | None, plot: BackgroundPlot) -> int:
-    """Analyse a recording, write the run folder's files (the timeline by ``plot``) and
+            conf: str, started: str, top: int, limit: int | None,
+            plot: BackgroundPlot | None) -> int:
+    """Analyse a recording, write the run folder's files (the timeline by ``plot``; none
+    without one) and
     print the summary; return the exit code (the script's, or 1 when its peak broke
     ``--max-peak``)."""
     import torch
@@ -221,8 +227,9 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         if rank == 0:
             for d in findings.devices:
                 render_run(d, facts, notes)
-        title = timeline_title(findings, " ".join(facts["command"][2:]))
-        plot.draw(timeline_panels(findings), title, folder / names["timeline"])
+        if plot is not None:
+            title = timeline_title(findings, " ".join(facts["command"][2:]))
+            plot.draw(timeline_panels(findings), title, folder / names["timeline"])
     elif rank == 0 and recording.virtual_gpu:
         notes.print(plain(f"memprof: the script made no CUDA tensor, so the virtual"
                           f" {recording.virtual_gpu['spec']} held nothing; --device cpu"

@@ -4,6 +4,7 @@ its forward under CPU bf16 autocast (``--cpu-bf16``), or with CUDA autocast turn
 inside the model (``--no-autocast``: a remedy applied from outside changes nothing)."""
 
 import argparse
+import contextlib
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ class Net(nn.Module):
         self.ckpt = ckpt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", enabled=self.autocast):
+        with contextlib.nullcontext() if self.autocast else torch.autocast("cuda", enabled=False):
             for block in self.blocks:
                 x = block(x) if self.ckpt == "none" else checkpoint(
                     block, x, use_reentrant=self.ckpt == "reentrant")
