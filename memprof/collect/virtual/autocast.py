@@ -20,8 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+
+from memprof.collect.storages import _PlainMode
 
 AUTOCAST_CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)
 
@@ -99,8 +100,9 @@ def _cached_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-class _CastCount(TorchDispatchMode):
-    """Counts the operators whose first argument is ``of``."""
+class _CastCount(_PlainMode):
+    """Counts the operators whose first argument is ``of`` (a plain mode: torch would
+    import Dynamo, a second, to wrap a ``TorchDispatchMode``'s method)."""
 
     def __init__(self, of: torch.Tensor) -> None:
         super().__init__()
