@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import fixture, needs_fixtures
 from test_run_cli import SAMPLES, Result, block, flags, memprof_run, run_python
 
@@ -138,6 +139,47 @@ def test_snippets_compile_and_name_the_runs_blocks(runs: Path):
     assert run.model["repeated_blocks"][0] == {
         "class": "Block", "module": "__main__", "count": LM["layers"],
         "parameters_each": run.model["repeated_blocks"][0]["parameters_each"]}
+    assert run.model["trainer"] is None
+
+
+def test_a_hugging_face_model_and_trainer_get_the_librarys_switches(runs: Path):
+    run = load_run(runs / "lm")
+    block = {**run.model["repeated_blocks"][0], "class": "GPT2Block",
+             "module": "transformers.models.gpt2.modeling_gpt2"}
+    start = advise(run, parse_budget("1MiB")).start
+    for trainer in (None, "transformers"):
+        model = {**run.model, "repeated_blocks": [block], "trainer": trainer}
+        snippets = {r.key: r.snippet for r in catalogue(start, Context(model))}
+        for key, snippet in snippets.items():
+            compile(snippet, key, "exec")
+        assert snippets["checkpoint_blocks"].startswith("model.gradient_checkpointing_enable(")
+        assert "checkpoint_sqrt" not in snippets  # no such switch in the library
+        assert 'target_modules="all-linear"' in snippets["lora"]
+        in_trainer = {key: "TrainingArguments(" in snippet for key, snippet in snippets.items()}
+        expected = {"autocast", "micro_batch_2", "micro_batch_4", "micro_batch_8",
+                    "micro_batch_16", "optimizer_8bit", "optimizer_sgd",
+                    "optimizer_adafactor"} if trainer else set()
+        assert {key for key, used in in_trainer.items() if used} - {"checkpoint_blocks"} \
+            == expected
+    assert 'optim="adamw_bnb_8bit"' in snippets["optimizer_8bit"]
+    assert "gradient_accumulation_steps=2" in snippets["micro_batch_2"]
+
+
+def test_the_hugging_face_trainer_is_seen_stepping_the_optimizer(tmp_path: Path):
+    from memprof.collect.cpu_recorder import CpuRecorder
+
+    trainer = tmp_path / "transformers" / "trainer.py"  # where the library's loop lives
+    trainer.parent.mkdir()
+    trainer.write_text("def train(model, optimizer):\n"
+                       "    model(torch.ones(2, 4)).sum().backward()\n"
+                       "    optimizer.step()\n")
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters())
+    namespace = {"torch": torch}
+    exec(compile(trainer.read_text(), str(trainer), "exec"), namespace)
+    with CpuRecorder() as recorder:
+        namespace["train"](model, optimizer)
+    assert recorder.snapshot()["memprof"]["model"]["trainer"] == "transformers"
 
 
 def test_verify_measures_within_10_percent_of_the_estimates(runs: Path):
@@ -257,16 +299,19 @@ def test_blocks_the_script_checkpoints_itself_are_not_offered_and_verify_still_r
     assert autocast["measured"]["reserved_bytes"] < advice["baseline_measured"]["reserved_bytes"]
 
 
-def test_reentrant_checkpointing_is_seen_too(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("how", ["reentrant", "inside", "none"])
+def test_checkpointing_is_seen_however_the_script_does_it(how: str,
+                                                          monkeypatch: pytest.MonkeyPatch):
     import runpy
 
     from memprof.collect.cpu_recorder import CpuRecorder
 
-    monkeypatch.setattr("sys.argv", [str(BLOCKS), "--device", "cpu", "--ckpt", "reentrant",
+    monkeypatch.setattr("sys.argv", [str(BLOCKS), "--device", "cpu", "--ckpt", how,
                                      "--batch", "2"])
     with CpuRecorder() as recorder:
         runpy.run_path(str(BLOCKS), run_name="__main__")
-    assert recorder.snapshot()["memprof"]["model"]["checkpointed"] == ["Block"]
+    checkpointed = recorder.snapshot()["memprof"]["model"]["checkpointed"]
+    assert checkpointed == ([] if how == "none" else ["Block"])
 
 
 def test_a_cpu_recording_verifies_autocast_on_the_cpu_and_sees_the_scripts_own(tmp_path: Path):

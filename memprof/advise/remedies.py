@@ -67,6 +67,12 @@ class Context:
         return blocks[0] if blocks else None
 
     @property
+    def trainer(self) -> bool:
+        """Whether the Hugging Face Trainer stepped the optimizer: its snippets are
+        ``TrainingArguments``."""
+        return self.model.get("trainer") == "transformers"
+
+    @property
     def transformers(self) -> bool:
         """Whether the model is a Hugging Face transformers model (its blocks' classes are
         that library's): its snippets use the library's own switches."""
@@ -132,6 +138,8 @@ def _precision(ctx: Context, busy: bool) -> list[Remedy]:
         " and losses stay fp32, so this is the best case); the bf16 weight copies saved for"
         " backward add half the fp32 weights",
         autocast,
+        "TrainingArguments(..., bf16=True)  # the Trainer's forward under bf16 autocast"
+        if ctx.trainer else
         'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
         "    loss = compute_loss(model, batch)  # the forward pass and the loss only\n"
         "loss.backward()",
@@ -170,7 +178,7 @@ def _checkpointing(ctx: Context) -> list[Remedy]:
         "    x = checkpoint(block, x, use_reentrant=False)",
         {"checkpoint": name})]
     segments = round(math.sqrt(n))
-    if n >= 4 and segments < n:
+    if n >= 4 and segments < n and not ctx.transformers:  # a library model: no such switch
         remedies.append(Remedy(
             "checkpoint_sqrt", f"checkpointing every {n // segments} {name} blocks"
             f" ({segments} segments, about sqrt({n}))", "checkpointing", 5,
@@ -185,7 +193,7 @@ def _checkpointing(ctx: Context) -> list[Remedy]:
 
 def _micro_batches(ctx: Context) -> list[Remedy]:
     def snippet(k: int) -> str:
-        if ctx.transformers:
+        if ctx.trainer:
             return ("# the Trainer accumulates gradients itself; batch: the batch size now\n"
                     f"TrainingArguments(..., per_device_train_batch_size=batch // {k},\n"
                     f"                  gradient_accumulation_steps={k})")
@@ -225,20 +233,23 @@ def _optimizer_state(peak: Peak, ctx: Context) -> list[Remedy]:
             f"moments take 2 bytes per parameter (and an fp32 scale per 256) instead of 8;"
             f" tensors under 4,096 elements ({small:,} parameters here) keep 32-bit state",
             lambda p: p.with_state(OPTIMIZER_STATE, change),
-            f"import bitsandbytes as bnb\n\noptimizer = bnb.optim.{name}8bit(model.parameters(),"
-            " lr=lr)"))
+            _optim(ctx, "adamw_bnb_8bit",
+                   f"import bitsandbytes as bnb\n\noptimizer = bnb.optim.{name}8bit("
+                   "model.parameters(), lr=lr)")))
         found.append(Remedy(
             "optimizer_sgd", "SGD with momentum instead of Adam", "optimizer", 9,
             "training: another optimizer, retune the learning rate", SEEDS["003"],
             "one momentum buffer (4 bytes per parameter) instead of two moments (8)",
             lambda p: p.scaled({OPTIMIZER_STATE: 0.5}),
-            "optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)"))
+            _optim(ctx, "sgd", "optimizer = torch.optim.SGD(model.parameters(), lr=lr,"
+                   " momentum=0.9)")))
         found.append(Remedy(
             "optimizer_adafactor", "Adafactor instead of Adam", "optimizer", 8,
             "training: another optimizer (factored second moments, no first moment)",
             SEEDS["003"], "a row and a column vector per matrix: about 1% of Adam's state",
             lambda p: p.scaled({OPTIMIZER_STATE: 0.01}),
-            "optimizer = torch.optim.Adafactor(model.parameters(), lr=lr)"))
+            _optim(ctx, "adafactor", "optimizer = torch.optim.Adafactor(model.parameters(),"
+                   " lr=lr)")))
     found.append(Remedy(
         "offload_optimizer", "optimizer state offloaded to CPU memory", "optimizer", 10,
         "time: the step runs on the CPU or streams state over PCIe; host RAM for the state",
@@ -247,6 +258,13 @@ def _optimizer_state(peak: Peak, ctx: Context) -> list[Remedy]:
         'ds_config = {"zero_optimization": {"stage": 2,\n'
         '                                   "offload_optimizer": {"device": "cpu"}}}'))
     return found
+
+
+def _optim(ctx: Context, trainer_name: str, snippet: str) -> str:
+    """An optimizer's snippet: the Trainer's ``optim`` name where it steps the optimizer."""
+    if ctx.trainer:
+        return f'TrainingArguments(..., optim="{trainer_name}")'
+    return snippet
 
 
 def _block(size: int) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from memprof.collect.checkpointed import called_by_checkpoint
+from memprof.collect.checkpointed import is_checkpoint, module_caller
 
 ENV = "MEMPROF_APPLY"
 
@@ -106,7 +106,7 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         # checkpointed by the script already (a recomputation must save what its forward
         # saved): run as written
-        if not torch.is_grad_enabled() or called_by_checkpoint(sys._getframe(1)):
+        if not torch.is_grad_enabled() or is_checkpoint(module_caller(sys._getframe(1))):
             return forward(self, *args, **kwargs)
         return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
     return run

@@ -22,7 +22,7 @@ import torch
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils.hooks import RemovableHandle
 
-from memprof.collect.checkpointed import called_by_checkpoint
+from memprof.collect.checkpointed import is_checkpoint, module_caller, under_checkpoint
 from memprof.collect.frames import HIDDEN_CODES
 from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS
 
@@ -65,8 +65,14 @@ class ForwardFacts:
         """A module's forward starts (called from the label hooks' pre-forward hook)."""
         self.stack.append(module)
         name = type(module).__name__
-        if name not in self.checkpointed and called_by_checkpoint(sys._getframe(1)):
+        outer = type(self.stack[-2]).__name__ if len(self.stack) > 1 else None
+        if name in self.checkpointed and outer in self.checkpointed | {None}:
+            return
+        caller = module_caller(sys._getframe(1))
+        if is_checkpoint(caller):  # checkpoint(block, x)
             self.checkpointed.add(name)
+        elif outer is not None and under_checkpoint(caller):  # the outer forward checkpoints
+            self.checkpointed.add(outer)
 
     def tag(self, t: torch.Tensor, square_score: bool) -> str | None:
         """What a tensor saved for backward is, if a savings model needs to know."""

@@ -9,7 +9,10 @@ events (``labels.py``), the CUDA path notes the storage address (``labeller.py``
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
@@ -34,6 +37,8 @@ from memprof.trace.model import (
     PARAMETERS,
 )
 
+_HF_TRAINER = os.path.join("transformers", "trainer.py")
+
 
 class RoleHooks:
     """Global module, optimizer and saved-tensor hooks that report each tensor's role.
@@ -47,6 +52,7 @@ class RoleHooks:
         self._steps_seen = 0
         self.model: dict[str, Any] = {}  # model_facts(), filled by remove()
         self._autocast: str | None = None  # CUDA autocast dtype seen in a forward
+        self._trainer: str | None = None  # "transformers": its Trainer steps the optimizer
         self._forward = ForwardFacts()
         self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -72,7 +78,7 @@ class RoleHooks:
         """Mark what the seen modules and optimizers hold now, then remove every hook."""
         try:
             if len(self._modules):  # else the script's objects are gone: keep the last facts
-                self.model = model_facts(self._modules, self._optimizers, self._autocast)
+                self.model = self._model_facts()
             if self.model:
                 self.model.update(self._forward.facts(self._fused_attention()))
             for module in list(self._modules):
@@ -149,7 +155,13 @@ class RoleHooks:
         if p.grad is not None:
             self._mark(p.grad, GRADIENTS)
 
+    def _model_facts(self) -> dict[str, Any]:
+        return {**model_facts(self._modules, self._optimizers, self._autocast),
+                "trainer": self._trainer}
+
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        if self._trainer is None and _called_from(sys._getframe(1), _HF_TRAINER):
+            self._trainer = "transformers"
         self._optimizers.add(optimizer)
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -160,7 +172,7 @@ class RoleHooks:
         self._end_step()
         self._steps_seen += 1
         if self._steps_seen <= 2:  # the state exists after a step; the objects may not at exit
-            self.model = model_facts(self._modules, self._optimizers, self._autocast)
+            self.model = self._model_facts()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._mark(t, ACTIVATIONS)
@@ -170,6 +182,17 @@ class RoleHooks:
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+
+def _called_from(frame: FrameType | None, ending: str, depth: int = 16) -> bool:
+    """Whether one of the ``depth`` frames from ``frame`` out runs a file ending so."""
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(ending):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _autocast_dtype(module: torch.nn.Module) -> str | None:
