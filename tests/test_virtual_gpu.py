@@ -101,6 +101,19 @@ model.cuda()
 print(torch.cuda.memory_allocated(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10)
 """
 
+HOST_TRAINING = """\
+import torch
+from torch import nn
+torch.manual_seed(1)
+# 90 MiB of weights built and initialised twice on the host, then trained on the CPU
+model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(22)), nn.Linear(1024, 1))
+for m in model:
+    nn.init.normal_(m.weight, 0.0, 0.02)
+loss = model(torch.randn(4, 1024)).pow(2).mean()
+loss.backward()
+print(f"{loss.item():.6e} {sum(float(p.abs().sum()) for p in model.parameters()):.6e}")
+"""
+
 AUTOCAST = """\
 import sys
 import torch
@@ -162,6 +175,11 @@ def api(where: Path) -> Result:
 @job
 def default_card(where: Path) -> Result:
     return inline(where, None, "host_data", HOST_DATA)
+
+
+@job
+def host_training(where: Path) -> Result:
+    return inline(where, None, "host_training", HOST_TRAINING)
 
 
 @job
@@ -565,6 +583,15 @@ def test_a_model_built_on_the_host_never_holds_its_weights(runs: dict[str, Futur
     assert weight - block(23000 * 23000 * F32) < 1 << 20
     assert allocated == weight + block(23000 * F32)
     assert max_rss < allocated // 2  # the weights never existed in host memory
+
+
+def test_a_cpu_only_script_computes_what_python_computes(runs: dict[str, Future[Any]],
+                                                         tmp_path: Path) -> None:
+    # 90 MiB of weights, each initialised twice: every weight is real and initialised
+    result, where = finished(runs, "host_training")
+    plain = run_python([where / "host_training.py"], tmp_path)
+    assert plain.code == 0 and plain.stdout.split()[0] != "0.000000e+00"
+    assert result.stdout == plain.stdout
 
 
 def test_checkpoints_save_and_load_on_the_virtual_gpu(runs: dict[str, Future[Any]]) -> None:

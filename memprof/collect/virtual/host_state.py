@@ -3,14 +3,17 @@
 A script may build its model on the CPU and then call ``.cuda()`` (the virtual GPU records
 the move), or compute with it on the CPU. Parameters and buffers a module registers on
 the host stay real tensors, initialised by ``nn.init`` as usual, until together they would
-hold :data:`HOST_STATE_BUDGET`; beyond it they become storage-less host tensors
-(``HostVirtualTensor``) that ``nn.init`` leaves alone, so a 3B-parameter model built on the
-host before ``.cuda()`` never needs its 12 GB of weights, nor minutes of initialisation
-(1 GiB of ``trunc_normal_`` alone takes over a minute on a CPU core).
+hold :data:`HOST_STATE_BUDGET` (1 GiB: more than a model that anyone trains on a CPU);
+beyond it they become storage-less host tensors (``HostVirtualTensor``) that ``nn.init``
+leaves alone, and memprof says so, so a 3B-parameter model built on the host before
+``.cuda()`` never needs its 12 GB of weights, nor minutes of initialisation (1 GiB of
+``trunc_normal_`` alone takes over a minute on a CPU core). A real tensor is always
+initialised: the script may compute with it on the CPU.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +25,9 @@ from torch.nn.modules.module import (
 from torch.utils.hooks import RemovableHandle
 
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor, virtual_like
+from memprof.report.units import format_bytes
 
-HOST_STATE_BUDGET = 64 << 20
+HOST_STATE_BUDGET = 1 << 30
 
 # nn.init's in-place initializers, which have nothing to fill in a virtual tensor
 INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
@@ -37,13 +41,12 @@ class HostState:
     def __init__(self, budget: int = HOST_STATE_BUDGET) -> None:
         self.budget = budget
         self.kept = 0  # bytes of host parameters and buffers kept real
-        self.filled = 0  # bytes of real tensors nn.init initialised
+        self.passed = False  # the budget was passed (and memprof said so)
         self._hooks: list[RemovableHandle] = []
 
     def patches(self) -> dict[tuple[Any, str], Callable[..., Any]]:
-        """``nn.init``'s initializers, skipping virtual tensors, and real ones past the budget
-        (scripts initialise a weight before they register it as a parameter)."""
-        return {(torch.nn.init, name): self._within_budget(getattr(torch.nn.init, name))
+        """``nn.init``'s initializers, skipping virtual tensors."""
+        return {(torch.nn.init, name): _skipping_virtual(getattr(torch.nn.init, name))
                 for name in INITIALIZERS}
 
     def install(self) -> None:
@@ -55,18 +58,15 @@ class HostState:
             hook.remove()
         self._hooks = []
 
-    def _within_budget(self, init: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def initialise(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            size = tensor.numel() * tensor.element_size()
-            if isinstance(tensor, VirtualTensor) or self.filled + size > self.budget:
-                return tensor
-            self.filled += size
-            return init(tensor, *args, **kwargs)
-        return initialise
-
     def _keeps(self, t: torch.Tensor) -> bool:
         size = t.numel() * t.element_size()
         if self.kept + size > self.budget:
+            if not self.passed:
+                self.passed = True
+                print(f"memprof: virtual GPU: the model state built on the host passed"
+                      f" {format_bytes(self.budget)}; beyond it memprof keeps it without values"
+                      " (for .cuda()); a script that trains on the CPU should run with --device"
+                      " cpu", file=sys.stderr)
             return False
         self.kept += size
         return True
@@ -85,3 +85,9 @@ class HostState:
                 or self._keeps(buffer):
             return None
         return virtual_like(buffer, kind=HostVirtualTensor)
+
+
+def _skipping_virtual(init: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def initialise(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor if isinstance(tensor, VirtualTensor) else init(tensor, *args, **kwargs)
+    return initialise
