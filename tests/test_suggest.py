@@ -20,6 +20,7 @@ from memprof.advise.remedies import Context, catalogue
 from memprof.advise.rerun import Rerun, with_arg
 from memprof.advise.source import load_run
 from memprof.collect.virtual.cards import parse_spec
+from memprof.errors import MemprofError
 from memprof.trace.model import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
 
 MLP = {"hidden": 1024, "layers": 3, "batch": 64, "steps": 3}
@@ -340,3 +341,21 @@ def test_a_remedy_that_measures_no_saving_leaves_the_plan(tmp_path: Path):
     assert measured == advice["baseline_measured"]  # the model turns autocast off inside
     assert "autocast" in advice["plan"]["excluded"]
     assert "autocast" not in [s["key"] for s in advice["plan"]["steps"]]
+
+
+def test_reruns_start_where_the_run_did(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(
+        "import torch\nm = torch.nn.Linear(64, 64).cuda()\no = torch.optim.SGD(m.parameters())\n"
+        "for _ in range(3):\n    m(torch.randn(8, 64, device='cuda')).sum().backward()\n"
+        "    o.step()\n")
+    assert memprof_run(project, "-o", "run", "train.py").code == 0
+    monkeypatch.chdir(tmp_path)  # suggest runs from elsewhere
+    run = load_run(project / "run")
+    assert run.facts["cwd"] == str(project)
+    rerun = Rerun.of(run)
+    assert rerun.peak().reserved == advise(run, parse_budget("1MB")).start.reserved
+    (project / "train.py").unlink()
+    with pytest.raises(MemprofError, match=f"cannot find its script train.py from {project}"):
+        Rerun.of(run)

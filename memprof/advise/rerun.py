@@ -3,13 +3,16 @@
 
 The command comes from the run's report (``run.command``); it runs again as ``memprof
 run`` in a subprocess, on the same virtual GPU (or the CPU recorder, or the GPU) as the
-original, stopped after a few optimizer steps, from the current folder.
+original, stopped after a few optimizer steps, from the folder it ran from.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +27,7 @@ from memprof.errors import MemprofError
 
 RERUN_STEPS = 3  # the peak of a training step shows by its second or third step
 MAX_BATCH = 1 << 16
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class Rerun:
     where: list[str]  # --virtual-gpu SPEC, --device cpu or --device cuda
     steps: int | None
     alloc_conf: str
+    cwd: str | None = None  # the folder it ran from (None: the current one)
 
     @classmethod
     def of(cls, run: Run) -> Rerun:
@@ -46,9 +51,16 @@ class Rerun:
         where = ["--virtual-gpu", virtual["spec"]] if isinstance(virtual, dict) else \
             ["--device", "cpu" if facts.get("predicted") else "cuda"]
         done = facts.get("optimizer_steps") or 0
-        return cls([str(c) for c in command[2:]], where,
-                   min(done, RERUN_STEPS) if done else None,
-                   str(facts.get("allocator_conf") or ""))
+        cwd = facts.get("cwd") if isinstance(facts.get("cwd"), str) else None
+        rerun = cls([str(c) for c in command[2:]], where,
+                    min(done, RERUN_STEPS) if done else None,
+                    str(facts.get("allocator_conf") or ""), cwd)
+        if rerun.target[0] != "-m" and not Path(cwd or ".", rerun.script).is_file():
+            where_from = f"from {cwd}, where it ran" if cwd else \
+                "from here (run memprof suggest in the folder memprof run ran in)"
+            raise MemprofError(f"{run.path}: cannot find its script {rerun.script} {where_from};"
+                               " --verify and --fit-batch re-run it")
+        return rerun
 
     def peak(self, args: list[str] | None = None, apply: dict[str, Any] | None = None,
              alloc_conf: str | None = None) -> Peak | None:
@@ -64,7 +76,8 @@ class Rerun:
                     *(["--steps", str(self.steps)] if self.steps else []),
                     *(["--alloc-conf", conf] if conf else []), *target]
             env = {**os.environ, "MEMPROF_APPLY": json.dumps(apply or {})}
-            done = subprocess.run(argv, capture_output=True, text=True, env=env)
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=self.cwd,
+                                  preexec_fn=_die_with_parent)
             report = out / "report.json"
             if not report.is_file():
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -93,6 +106,13 @@ class Rerun:
     @property
     def args(self) -> list[str]:
         return self.target[self.target.index(self.script) + 1:]
+
+
+def _die_with_parent() -> None:
+    """In the re-run's process, before it starts: end it when memprof suggest ends, however
+    (Linux; elsewhere a killed suggest leaves it to finish)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _gist(error: str, limit: int = 200) -> str:

@@ -124,7 +124,8 @@ def run(
     names = file_names(rank, world)
     claim(folder, names, force)
 
-    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    # when and where it started (the script may chdir): suggest --verify re-runs it there
+    launched = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cwd": os.getcwd()}
     profile_path = folder / names["profile"] if profile else None
     parent = os.getpid()
     ended = False
@@ -152,7 +153,7 @@ def run(
             if os.getpid() != parent:  # a child the script forked ran out its copy of it
                 raise typer.Exit(recording.outcome.exit_code)
             with frozen():  # the script has ended: its objects wait for the exit
-                code = _finish(recording, target, folder, names, settings.conf, started, top,
+                code = _finish(recording, target, folder, names, settings.conf, launched, top,
                                limit, plot if timeline else None)
         except KeyboardInterrupt:
             what = (f"while writing the report: {folder} holds only whole files" if ended else
@@ -171,7 +172,7 @@ def run(
 
 
 def _finish(recording: Recording, target: Target, folder: Path, names: dict[str, str],
-            conf: str, started: str, top: int, limit: int | None,
+            conf: str, launched: dict[str, str], top: int, limit: int | None,
             plot: BackgroundPlot | None) -> int:
     """Analyse a recording, write the run folder's files (the timeline by ``plot``; none
     without one) and
@@ -206,7 +207,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     facts = {
         "command": ["memprof", "run", *(["-m"] if target.module else []), target.name,
                     *target.args],
-        "started": started,
+        **launched,
         "torch_version": torch.__version__,
         "device": recording.device,
         "predicted": recording.predicted,

@@ -71,6 +71,10 @@ def suggest(
         from memprof.advise.rerun import Rerun
 
         rerun = Rerun.of(run)
+        if rerun.steps is None:
+            took = run.facts.get("duration_s")
+            notes.print(f"memprof: the run recorded no optimizer step, so each re-run runs the"
+                        f" whole script{f' ({took:.0f} s as recorded)' if took else ''}")
         if verify:
             from memprof.advise.verify import verify as measure
 
