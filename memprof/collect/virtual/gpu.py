@@ -37,7 +37,7 @@ from memprof.collect.virtual.distributed import nccl_refusal
 from memprof.collect.virtual.generators import VirtualGenerator
 from memprof.collect.virtual.host_state import HostState
 from memprof.collect.virtual.recorder import VirtualRecorder
-from memprof.collect.virtual.routing import CudaRouting
+from memprof.collect.virtual.routing import CudaRouting, module_to
 from memprof.collect.virtual.tensor import VirtualTensor
 from memprof.collect.virtual.value_sizes import LargestSizes
 from memprof.trace.model import AllocatorSettings
@@ -74,6 +74,7 @@ class VirtualGpu:
         # on the tensor, not in the routing mode: DataLoader pins batches on a thread of its
         # own, where the (thread-local) mode does not reach
         patches[(torch.Tensor, "pin_memory")] = _pinned
+        patches[(torch.nn.Module, "to")] = module_to(torch.nn.Module.to)
         patches[(torch.autograd, "_engine_run_backward")] = self._backward
         seen: set[int] = set()
         for (owner, name), value in patches.items():

@@ -8,6 +8,8 @@ tensors; host tensors stay real; ``scaled_dot_product_attention`` runs the card'
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,7 +86,27 @@ def _to_cuda(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return virtual_like(t, dtype)
 
 
+def index_as_cuda(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``to``'s arguments with a bare device index (``.to(0)``, ``device=1``) as a CUDA
+    device: PyTorch reads it as the current accelerator's, which a CPU build has none of."""
+    if args and type(args[0]) is int:
+        args = (torch.device("cuda", args[0]), *args[1:])
+    if type(kwargs.get("device")) is int:
+        kwargs = {**kwargs, "device": torch.device("cuda", kwargs["device"])}
+    return args, kwargs
+
+
+def module_to(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module.to`` taking a bare device index as CUDA's (``index_as_cuda``)."""
+    @functools.wraps(original)
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = index_as_cuda(args, kwargs)
+        return original(self, *args, **kwargs)
+    return to
+
+
 def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torch.Tensor:
+    args, kwargs = index_as_cuda(args, kwargs)
     parsed = args
     if args and isinstance(args[0], torch.Tensor):  # to(other): other's device and dtype
         parsed = (args[0].device, args[0].dtype, *args[1:])
