@@ -616,6 +616,10 @@ def test_a_script_without_cuda_tensors_is_told_so(runs: dict[str, Future[Any]]) 
     assert "made no CUDA tensor, so the virtual H100 80GB held nothing; --device cpu" \
         in result.stderr
     assert report(where / "out")["devices"] == []
+    advice = run_python(["-m", "memprof", "suggest", "out", "--budget", "1GB"], where)
+    assert advice.code == 2
+    assert "the run made no CUDA tensor, so the virtual GPU held nothing to measure; run the" \
+        " script with --device cpu" in advice.stderr
 
 
 def test_sizes_set_by_values_are_their_largest_and_unique_is_refused(

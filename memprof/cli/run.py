@@ -39,7 +39,8 @@ def run(
                                         " the run folder.")] = False,
     device: Annotated[str, typer.Option(
         "--device", help="auto: the GPU's own allocator history when CUDA is available, else"
-        " memprof's CPU recorder and a predicted CUDA layout; or force cpu / cuda.")] = "auto",
+        " the virtual GPU (--virtual-gpu); cpu: memprof's CPU recorder (the script's host"
+        " tensors, laid out as CUDA's allocator would); cuda: the GPU, or an error.")] = "auto",
     alloc_conf: Annotated[str | None, typer.Option(
         "--alloc-conf", metavar="CONF", help="Allocator settings for the CPU prediction"
         " (default: $PYTORCH_CUDA_ALLOC_CONF), e.g. 'expandable_segments:True'.",

@@ -53,6 +53,11 @@ def load_report(source: Path, role: str) -> Report:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not valid JSON"
         raise MemprofError(f"{role} {path}: cannot be read ({reason})") from None
     problem = _problem(data)
+    if problem == "no devices" and isinstance(data.get("run"), dict) \
+            and data["run"].get("virtual_gpu"):
+        raise MemprofError(f"{role} {path}: the run made no CUDA tensor, so the virtual GPU held"
+                           " nothing to measure; run the script with --device cpu to profile"
+                           " its host tensors")
     if problem:
         raise MemprofError(f"{role} {path}: not a memprof report ({problem})")
     return Report(path, data)
