@@ -96,3 +96,36 @@ def test_tracker_keeps_live_allocations_and_their_labels() -> None:
     live = {e["size"] for e in events[:len(kept)]}
     assert live == {(1000 + i) * F32 for i in range(0, 300, 50)}
     assert [label for _, label in snapshot["memprof"]["labels"][:len(kept)]] == ["other"] * 6
+
+
+EARLY_PEAK = """\
+import sys
+import torch
+
+device = sys.argv[1]
+big = torch.ones(4 << 20, device=device)  # 16 MiB, the run's peak, freed at once
+del big
+for _ in range(1000):  # then enough small events to push it out of the ring buffer
+    torch.ones(8, device=device) + 1
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_peak_the_ring_buffer_dropped_is_still_reported_and_gated(tmp_path: Path,
+                                                                    device: str) -> None:
+    (tmp_path / "early.py").write_text(EARLY_PEAK)
+    where = ["--device", "cpu"] if device == "cpu" else ["--virtual-gpu", "H100"]
+    result = memprof_run(tmp_path, *where, "--max-entries", str(SMALL), "--max-peak", "8MiB",
+                         "-o", "out", "early.py", device)
+    d = report(tmp_path / "out")["devices"][0]
+    assert d["peak"]["allocated_bytes"] < 1 << 20  # the kept events' peak
+    run_peak = d["window"]["run_peak"]
+    assert run_peak["requested_bytes"] == 16 << 20
+    if device == "cuda":  # the virtual GPU's allocator counted it
+        assert run_peak["allocated_bytes"] == 16 << 20
+        assert run_peak["reserved_bytes"] >= run_peak["allocated_bytes"]
+        assert "The run's peak came before them: 16.00 MiB allocated" in result.stderr
+    else:
+        assert run_peak["allocated_bytes"] is None
+        assert "The run's peak came before them: at least 16.00 MiB allocated" in result.stderr
+    assert result.code == 1 and "exceeds --max-peak 8.00 MiB" in result.stderr

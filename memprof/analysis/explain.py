@@ -110,6 +110,7 @@ def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[Alloca
         blocks_before_window=len(before),
         bytes_before_window=int(before.sum()),
         events_dropped=snapshot.dropped.get(device, 0),
+        run_peak=snapshot.run_peak.get(device),
         peak_allocated_bytes=int(allocated[peak + 1]),
         peak_reserved_bytes=int(reserved.max()),
         reserved_at_peak_bytes=int(reserved[peak + 1]),

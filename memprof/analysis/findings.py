@@ -180,6 +180,8 @@ class DeviceFindings:
     blocks_before_window: int
     bytes_before_window: int
     events_dropped: int  # by memprof's own ring buffer (its recorders keep live allocations)
+    # the whole recording's peak where memprof's recorder counted it (Snapshot.run_peak)
+    run_peak: dict[str, int | None] | None
     peak_allocated_bytes: int
     peak_reserved_bytes: int
     reserved_at_peak_bytes: int
@@ -202,6 +204,19 @@ class DeviceFindings:
     category_timeline: dict[str, np.ndarray] | None = None
     # bytes of each tag (``TAGS``) live at the peak and when the activations peaked
     tagged: dict[str, Tagged] | None = None
+
+    def peak_before_window(self) -> tuple[int, int | None, bool] | None:
+        """Where the ring buffer dropped events and the run held more before the kept ones:
+        its peak allocated bytes, its peak reserved bytes (None: not counted) and whether
+        the allocated figure is exact (else a lower bound: the storages' own bytes)."""
+        peak = self.run_peak
+        if not self.events_dropped or not peak:
+            return None
+        exact = peak["allocated_bytes"] is not None
+        allocated = peak["allocated_bytes"] if exact else peak["requested_bytes"]
+        if allocated is None or allocated <= self.peak_allocated_bytes:
+            return None
+        return allocated, peak["reserved_bytes"], exact
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from memprof.errors import MemprofError
 DEFAULT_MAX_ENTRIES = 1_000_000
 
 if TYPE_CHECKING:
-    from memprof.analysis.findings import Findings
+    from memprof.analysis.findings import DeviceFindings, Findings
     from memprof.collect.launch import Target
     from memprof.collect.session import Recording
     from memprof.collect.virtual.cards import Card
@@ -258,12 +258,19 @@ def _gate(findings: Findings, limit: int | None, exit_code: int, notes: Console)
     """The exit code: the script's, or 1 when it succeeded but its peak broke --max-peak."""
     from memprof.report.units import format_bytes
 
-    peak = max((d.peak_reserved_bytes for d in findings.devices), default=0)
+    peak = max((_peak_reserved(d) for d in findings.devices), default=0)
     if limit is None or peak <= limit:
         return exit_code
     notes.print(f"memprof: peak reserved {format_bytes(peak)} exceeds --max-peak"
                 f" {format_bytes(limit)}", markup=False, highlight=False)
     return exit_code or 1
+
+
+def _peak_reserved(d: DeviceFindings) -> int:
+    """The peak reserved bytes, or what the run held before a ring buffer's kept events
+    where that was more (reserved where counted, else allocated: a lower bound)."""
+    earlier = d.peak_before_window()
+    return max([d.peak_reserved_bytes, *(v for v in (earlier or ())[:2] if v)])
 
 
 def virtual_card(spec: str | None, by_default: bool) -> Card | None:

@@ -118,6 +118,7 @@ class CpuRecorder:
                 "tags": self._tags,
                 "steps": list(self._tracker.steps),
                 "dropped_events": self._tracker.dropped,
+                "run_peak": self._tracker.run_peak(),
                 "model": self._hooks.model,
                 "modules": modules,
                 "model_files": sorted(self._scope.files),

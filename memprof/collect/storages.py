@@ -155,6 +155,8 @@ class StorageTracker(_PlainMode):
         self.events: list[TraceEvent] = []
         self.max_entries = max_entries
         self.dropped = 0  # events the ring buffer dropped
+        self.live_bytes = 0  # bytes of the tracked storages alive now, and at most
+        self.max_live_bytes = 0
         self.steps: list[int] = []  # len(events) at each optimizer step's end, kept current
         self._trim_at = None if max_entries is None else int(max_entries * (1 + _TRIM_SLACK))
         self.survivors: list[TraceEvent] = []
@@ -213,6 +215,12 @@ class StorageTracker(_PlainMode):
         if not op_facts(func) & VIEW:  # a view's storage is its input's: nothing to record
             self._record(out, func, args, kwargs)
         return out
+
+    def run_peak(self) -> dict[str, int | None]:
+        """The most bytes the tracked storages held at once over the whole recording, the
+        ring buffer's dropped events included (the allocator's figures are unknown here)."""
+        return {"requested_bytes": self.max_live_bytes, "allocated_bytes": None,
+                "reserved_bytes": None}
 
     def take_trace(self) -> list[TraceEvent]:
         """The trace, moved out: the tracker holds no events after."""
@@ -329,8 +337,11 @@ class StorageTracker(_PlainMode):
         return frame
 
     def _alloc(self, st: torch.UntypedStorage, key: int, frame: FrameType | None) -> None:
-        event = ("alloc", self._address(st), st.nbytes(), 0, self._now_us(),
-                 self._stacks.capture(frame))
+        size = st.nbytes()
+        event = ("alloc", self._address(st), size, 0, self._now_us(), self._stacks.capture(frame))
+        self.live_bytes += size
+        if self.live_bytes > self.max_live_bytes:
+            self.max_live_bytes = self.live_bytes
         scope = self.scope
         if scope is not None and (path := scope()) is not None:
             self.modules[id(event)] = path
@@ -350,6 +361,7 @@ class StorageTracker(_PlainMode):
         del self._live[ref.key]
         alloc = ref.event
         addr, size, stream = alloc[ADDR], alloc[SIZE], alloc[STREAM]
+        self.live_bytes -= size
         now, stack = self._now_us(), self._stacks.capture(frame)
         self.events.extend((("free_requested", addr, size, stream, now, stack),  # one call:
                             ("free_completed", addr, size, stream, now, stack)))  # adjacent

@@ -109,10 +109,18 @@ def _headline(d: DeviceFindings) -> Table:
 
 
 def ring_buffer_note(d: DeviceFindings) -> str:
-    """What a trace from memprof's own ring buffer still tells exactly."""
-    return (f"The trace is a ring buffer (--max-entries): the {d.events_dropped:,} oldest events"
+    """What a trace from memprof's own ring buffer still tells exactly, and what it lost."""
+    note = (f"The trace is a ring buffer (--max-entries): the {d.events_dropped:,} oldest events"
             f" were dropped; the peak and steps are those of the last {d.events:,}, and every"
             " allocation still alive kept its event.")
+    earlier = d.peak_before_window()
+    if earlier is None:
+        return note
+    allocated, reserved, exact = earlier
+    held = (f"{fb(allocated)} allocated" + (f", {fb(reserved)} reserved" if reserved else "")
+            if exact else f"at least {fb(allocated)} allocated")
+    return (f"{note} The run's peak came before them: {held} (the breakdown is the kept"
+            " events'); stop earlier with --steps or keep more with --max-entries to see it.")
 
 
 def _live_tables(live: Live, inferred: bool, moment: str) -> Group:

@@ -52,6 +52,7 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
             "blocks_before_window": d.blocks_before_window,
             "bytes_before_window": d.bytes_before_window,
             "events_dropped": d.events_dropped,
+            "run_peak": d.run_peak,
         },
         "peak": {
             "allocated_bytes": d.peak_allocated_bytes,

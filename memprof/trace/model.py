@@ -156,6 +156,9 @@ class Snapshot:
     model_files: frozenset[str] = frozenset()  # files defining those modules' forward
     tags: dict[int, dict[int, str]] = field(default_factory=dict)  # alloc event -> TAGS entry
     dropped: dict[int, int] = field(default_factory=dict)  # events memprof's ring buffer dropped
+    # the most bytes held over the whole recording, dropped events included (memprof's
+    # recorders): requested_bytes, and allocated_bytes / reserved_bytes where known
+    run_peak: dict[int, dict[str, int | None]] = field(default_factory=dict)
     # private-pool segments by address, those freed before the end too (a prediction's)
     segment_pools: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
 

@@ -356,6 +356,13 @@ def _memprof_extra(snapshot: Snapshot, extra: dict) -> None:
     dropped = extra.get("dropped_events", 0)
     if type(dropped) is not int or dropped < 0:
         raise NotASnapshot(f"{where}: 'dropped_events' is {describe(dropped)}, not a count")
+    run_peak = extra.get("run_peak")
+    if run_peak is not None:
+        if type(run_peak) is not dict or type(run_peak.get("requested_bytes")) is not int or any(
+                v is not None and (type(v) is not int or v < 0) for v in run_peak.values()):
+            raise NotASnapshot(f"{where}: 'run_peak' is not a map of byte counts")
+        snapshot.run_peak = {device: {k: run_peak.get(k) for k in (
+            "requested_bytes", "allocated_bytes", "reserved_bytes")}}
     snapshot.labels = {device: dict(labels)}
     snapshot.dropped = {device: dropped}
     snapshot.steps = {device: list(steps)}

@@ -50,6 +50,8 @@ class VirtualRecorder(StorageTracker):
         self.allowed: int | None = None  # set_per_process_memory_fraction's cap
         self.peak_allocated = 0
         self.peak_reserved = 0
+        self.run_peak_allocated = 0  # as peak_*, but never reset by the script
+        self.run_peak_reserved = 0
         self.ooms = 0
         # memory_stats' cumulative counters: [count, bytes] allocated and freed since the start
         self.allocated_total = [0, 0]
@@ -69,6 +71,11 @@ class VirtualRecorder(StorageTracker):
             raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
         self.allowed = int(fraction * self.card.total_bytes)
         self.allocator.limit = min(self.card.usable_bytes, self.allowed)
+
+    def run_peak(self) -> dict[str, int | None]:
+        """The run's peaks as the allocator model counted them, dropped events included."""
+        return {**super().run_peak(), "allocated_bytes": self.run_peak_allocated,
+                "reserved_bytes": self.run_peak_reserved}
 
     def reset_peaks(self) -> None:
         """``reset_peak_memory_stats()``: peaks restart from what is held now."""
@@ -156,6 +163,8 @@ class VirtualRecorder(StorageTracker):
         self.peak_blocks = max(self.peak_blocks, self.allocated_total[0] - self.freed_total[0])
         self.peak_allocated = max(self.peak_allocated, alloc.allocated)
         self.peak_reserved = max(self.peak_reserved, alloc.reserved)
+        self.run_peak_allocated = max(self.run_peak_allocated, alloc.allocated)
+        self.run_peak_reserved = max(self.run_peak_reserved, alloc.reserved)
 
     def _free(self, ref: _StorageRef, frame: FrameType | None) -> None:
         super()._free(ref, frame)
