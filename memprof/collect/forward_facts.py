@@ -66,7 +66,7 @@ class ForwardFacts:
         self.stack.append(module)
         name = type(module).__name__
         outer = type(self.stack[-2]).__name__ if len(self.stack) > 1 else None
-        if name in self.checkpointed and outer in self.checkpointed | {None}:
+        if name in self.checkpointed and (outer is None or outer in self.checkpointed):
             return
         caller = module_caller(sys._getframe(1))
         if is_checkpoint(caller):  # checkpoint(block, x)
