@@ -214,6 +214,9 @@ torch.save(model.state_dict(), "virtual.pt")
 back = torch.load("virtual.pt")  # weights_only, as PyTorch 2.6+ loads by default
 assert back["weight"].is_cuda and back["weight"].shape == (256, 256)
 assert torch.load("virtual.pt", map_location="cpu")["weight"].device.type == "cpu"
+torch.save(model.state_dict(), sys.argv[1])  # over the real checkpoint: it must survive
+assert torch.load(sys.argv[1])["weight"].is_cuda  # this run reads its own save back
+torch.save({"loss": 1.5}, "metrics.pt")  # no virtual tensor: written as python would
 """
 
 
@@ -599,13 +602,19 @@ def test_a_cpu_only_script_computes_what_python_computes(runs: dict[str, Future[
 
 def test_checkpoints_save_and_load_on_the_virtual_gpu(runs: dict[str, Future[Any]]) -> None:
     result, where = finished(runs, "checkpoints")
-    assert "torch.save wrote virtual.pt with placeholder tensors" in result.stderr
+    assert "torch.save(virtual.pt) holds virtual tensors (no weights): it went to a scratch" \
+        " file, the path is left as it was" in result.stderr
+    assert not (where / "virtual.pt").exists()  # no file of placeholders anywhere
+    kept = torch.load(where / "real.pt")  # the real checkpoint, as it was
+    assert kept["weight"].equal(torch.ones(256, 256)) and kept["step"].item() == 7
+    assert torch.load(where / "metrics.pt") == {"loss": 1.5}
     with open(where / "out" / "snapshot.pickle", "rb") as f:
         trace = pickle.load(f)["device_traces"][0]
     weights = [e for e in trace if e["action"] == "alloc" and e["size"] == 256 * 256 * F32]
-    # the parameter, the real checkpoint's weight mapped to CUDA, the virtual one read
-    # back on CUDA; the copy mapped to the host is not device memory
-    assert len(weights) == 3
+    # the parameter, the real checkpoint's weight mapped to CUDA, the virtual ones read
+    # back on CUDA (virtual.pt, and the save over real.pt); the copy mapped to the host is
+    # not device memory
+    assert len(weights) == 4
 
 
 def test_a_script_without_cuda_tensors_is_told_so(runs: dict[str, Future[Any]]) -> None:

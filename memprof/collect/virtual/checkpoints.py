@@ -7,17 +7,24 @@ virtual tensors again, on the device ``map_location`` names. A real checkpoint (
 a GPU) loads its storages on the host, where this machine can, and its CUDA tensors
 become virtual CUDA tensors: allocated on the card, as the load would. Scalars stay real
 host tensors, so values that steer the script (an optimizer's step count) are kept.
+
+A checkpoint of virtual tensors saved to a path goes to a scratch file instead, read back
+by the run's own ``torch.load`` of that path: a file of placeholders must not replace the
+user's real checkpoint (``out/ckpt.pt`` from a GPU run, say).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from typing import Any
 
 import torch
 import torch._weights_only_unpickler as weights_only
 from torch.serialization import _package_registry
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor, adopt, virtual_like
 
@@ -52,6 +59,8 @@ class Checkpoints:
         self._entry = (_PRIORITY, lambda storage: None, self._to_host)
         self._load, self._save = torch.load, torch.save
         self._told = False
+        self._scratch: str | None = None  # the folder of the scratch files, made at need
+        self._redirects: dict[str, str] = {}  # real path -> its scratch file
 
     def patches(self) -> dict[tuple[Any, str], Any]:
         """The attributes to replace while the virtual GPU runs."""
@@ -66,22 +75,38 @@ class Checkpoints:
     def remove(self) -> None:
         _package_registry.remove(self._entry)
         weights_only._get_allowed_globals.cache_clear()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+        self._redirects.clear()
 
-    def load(self, *args: Any, **kwargs: Any) -> Any:
-        """``torch.load``: real tensors the checkpoint puts on CUDA become virtual ones."""
+    def load(self, f: Any, *args: Any, **kwargs: Any) -> Any:
+        """``torch.load``: real tensors the checkpoint puts on CUDA become virtual ones; a
+        path this run saved virtual tensors to reads its scratch file."""
+        if isinstance(f, (str, os.PathLike)):
+            f = self._redirects.get(os.path.realpath(f), f)
         self._mapped.clear()
         weights_only._get_allowed_globals.cache_clear()
-        loaded = self._load(*args, **kwargs)
+        loaded = self._load(f, *args, **kwargs)
         return tree_map(self._virtual, loaded) if self._mapped else loaded
 
     def save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        """``torch.save``, saying once that a checkpoint of virtual tensors holds no weights."""
+        """``torch.save``: a checkpoint of virtual tensors saved to a path goes to a scratch
+        file (see the module doc), and memprof says so once."""
+        if not isinstance(f, (str, os.PathLike)) or not _holds_virtual(obj):
+            self._save(obj, f, *args, **kwargs)
+            return
+        if self._scratch is None:
+            self._scratch = tempfile.mkdtemp(prefix="memprof-checkpoints-")
+        target = os.path.realpath(f)
+        scratch = self._redirects.setdefault(
+            target, os.path.join(self._scratch, f"{len(self._redirects)}.pt"))
         if not self._told:
             self._told = True
-            print(f"memprof: virtual GPU: torch.save wrote {getattr(f, 'name', f)} with"
-                  " placeholder tensors (no"
-                  " weights): memprof runs read it back, plain PyTorch cannot", file=sys.stderr)
-        self._save(obj, f, *args, **kwargs)
+            print(f"memprof: virtual GPU: torch.save({os.fspath(f)}) holds virtual tensors (no"
+                  " weights): it went to a scratch file, the path is left as it was, and"
+                  " torch.load in this run reads it back", file=sys.stderr)
+        self._save(obj, scratch, *args, **kwargs)
 
     def _to_host(self, storage: Any, location: str) -> Any:
         if not location.startswith("cuda"):
@@ -97,3 +122,10 @@ class Checkpoints:
             return x
         t = virtual_like(x)
         return torch.nn.Parameter(t, x.requires_grad) if type(x) is torch.nn.Parameter else t
+
+
+def _holds_virtual(obj: Any) -> bool:
+    """Whether ``obj`` (a state dict, a module, nested containers) holds a virtual tensor."""
+    tensors = [*obj.parameters(), *obj.buffers()] if isinstance(obj, torch.nn.Module) \
+        else tree_leaves(obj)
+    return any(isinstance(t, VirtualTensor) for t in tensors)
