@@ -128,7 +128,9 @@ def test_snippets_compile_and_name_the_runs_blocks(runs: Path):
     run = load_run(runs / "lm")
     advice = advise(run, parse_budget("1MiB"))
     leak = {"growth_per_step_bytes": 1 << 20, "steps": 3, "site": {"site": "train.py:9"}}
-    everything = Context(run.model, gpus=4, world_size=2, expandable_ratio=0.0, leak=leak)
+    assert "lora" not in {r.key for r in catalogue(advice.start, Context(run.model))}  # new
+    loaded = {**run.model, "loaded_state_dict": True}  # fine-tuning weights it loaded
+    everything = Context(loaded, gpus=4, world_size=2, expandable_ratio=0.0, leak=leak)
     remedies = catalogue(advice.start, everything)
     assert {"autocast", "checkpoint_blocks", "micro_batch_2", "optimizer_8bit", "zero_3",
             "offload_optimizer", "fix_leak", "bucket_view", "lora",
@@ -149,7 +151,8 @@ def test_a_hugging_face_model_and_trainer_get_the_librarys_switches(runs: Path):
              "module": "transformers.models.gpt2.modeling_gpt2"}
     start = advise(run, parse_budget("1MiB")).start
     for trainer in (None, "transformers"):
-        model = {**run.model, "repeated_blocks": [block], "trainer": trainer}
+        model = {**run.model, "repeated_blocks": [block], "trainer": trainer,
+                 "pretrained": True}
         snippets = {r.key: r.snippet for r in catalogue(start, Context(model))}
         for key, snippet in snippets.items():
             compile(snippet, key, "exec")
@@ -164,6 +167,23 @@ def test_a_hugging_face_model_and_trainer_get_the_librarys_switches(runs: Path):
             == expected
     assert 'optim="adamw_bnb_8bit"' in snippets["optimizer_8bit"]
     assert "gradient_accumulation_steps=2" in snippets["micro_batch_2"]
+
+
+def test_loading_weights_is_seen(tmp_path: Path):
+    from memprof.collect.cpu_recorder import CpuRecorder
+
+    saved = torch.nn.Linear(4, 4).state_dict()
+    original = torch.nn.Module.load_state_dict
+    for load in (False, True):
+        with CpuRecorder() as recorder:
+            model = torch.nn.Linear(4, 4)
+            if load:
+                model.load_state_dict(saved)
+            model(torch.ones(2, 4)).sum().backward()
+            torch.optim.SGD(model.parameters()).step()
+        facts = recorder.snapshot()["memprof"]["model"]
+        assert (facts["loaded_state_dict"], facts["pretrained"]) == (load, False)
+    assert torch.nn.Module.load_state_dict is original  # restored
 
 
 def test_the_hugging_face_trainer_is_seen_stepping_the_optimizer(tmp_path: Path):

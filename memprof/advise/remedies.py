@@ -304,8 +304,9 @@ def _model_state(peak: Peak, ctx: Context) -> list[Remedy]:
     params = ctx.model.get("parameters", 0)
     trainable = ctx.model.get("trainable", params)
     found = []
-    if params and trainable == params and peak.at_step[GRADIENTS]:
-        found.append(Remedy(
+    loaded = ctx.model.get("loaded_state_dict") or ctx.model.get("pretrained")
+    if params and trainable == params and peak.at_step[GRADIENTS] and loaded:
+        found.append(Remedy(  # fine-tuning weights it loaded: not a model trained from scratch
             "lora", "LoRA adapters on a frozen model", "finetune", 12,
             "training: fine-tunes low-rank adapters only (a different model update)",
             SEEDS["004"], "adapters hold about 1% of the parameters: gradients and optimizer"

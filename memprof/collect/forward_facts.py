@@ -8,7 +8,7 @@ saves for backward is: quadratic attention scores (a ``T x T`` output of a score
 grad enabled. The label hooks drop the eval tag from tensors a backward reads, so what
 remains was saved by forwards that nothing backpropagated (evaluation without ``no_grad``).
 It also notes the module classes the script runs under activation checkpointing
-(``checkpointed.py``).
+(``checkpointed.py``), and whether it loads weights into a module (``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -42,23 +42,29 @@ class ForwardFacts:
         self.checkpointed: set[str] = set()  # classes the script runs under checkpointing
         self._largest = 0
         self._handle: RemovableHandle | None = None
-        self._originals: list[tuple[type, Callable[..., Any]]] = []
+        self.loaded_state_dict = False  # the script loaded weights into a module
+        self._originals: list[tuple[type, str, Callable[..., Any]]] = []
 
     def install(self) -> None:
-        """Register the post-forward hook and wrap the zero_grad methods."""
+        """Register the post-forward hook and wrap the zero_grad and load_state_dict
+        methods."""
         self._handle = register_module_forward_hook(self._after, always_call=True)
         for cls in _ZERO_GRADS:
-            original = cls.zero_grad
-            self._originals.append((cls, original))
-            cls.zero_grad = self._wrap(original)  # type: ignore[method-assign]
+            self._patch(cls, "zero_grad", self._wrap(cls.zero_grad))
+        self._patch(torch.nn.Module, "load_state_dict",
+                    self._wrap_load(torch.nn.Module.load_state_dict))
+
+    def _patch(self, cls: type, name: str, wrapper: Callable[..., Any]) -> None:
+        self._originals.append((cls, name, getattr(cls, name)))
+        setattr(cls, name, wrapper)
 
     def remove(self) -> None:
         """Remove the hook and restore zero_grad."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        for cls, original in self._originals:
-            cls.zero_grad = original  # type: ignore[method-assign]
+        for cls, name, original in self._originals:
+            setattr(cls, name, original)
         self._originals = []
 
     def before(self, module: torch.nn.Module) -> None:
@@ -95,6 +101,7 @@ class ForwardFacts:
             if seen else None,
             "eval_module": self.eval_module,
             "checkpointed": sorted(self.checkpointed),
+            "loaded_state_dict": self.loaded_state_dict,
         }
 
     def _note_score(self, t: torch.Tensor) -> None:
@@ -115,6 +122,14 @@ class ForwardFacts:
             if self.stack[i] is module:
                 del self.stack[i:]
                 return
+
+    def _wrap_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def load_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            self.loaded_state_dict = True
+            return original(module, *args, **kwargs)
+        HIDDEN_CODES.add(load_state_dict.__code__)
+        return load_state_dict
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)

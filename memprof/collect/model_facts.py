@@ -42,6 +42,9 @@ def model_facts(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
         "optimizers": [_optimizer(o) for o in optimizers],
         "repeated_blocks": _repeated_blocks(modules),
         "autocast": autocast,
+        # a Hugging Face model from_pretrained loaded (from a config: an empty name)
+        "pretrained": any(bool(getattr(getattr(m, "config", None), "_name_or_path", ""))
+                          for m in modules),
     }
 
 
