@@ -379,3 +379,15 @@ def test_reruns_start_where_the_run_did(tmp_path: Path, monkeypatch: pytest.Monk
     (project / "train.py").unlink()
     with pytest.raises(MemprofError, match=f"cannot find its script train.py from {project}"):
         Rerun.of(run)
+
+
+def test_a_float64_model_is_offered_float32_which_halves_it(runs: Path):
+    run = load_run(runs / "mlp")
+    start = advise(run, parse_budget("1MB")).start
+    double = {**run.model, "dtypes": {"float64": run.model["parameters"]}}
+    remedies = {r.key: r for r in catalogue(start, Context(double))}
+    assert "autocast" not in remedies and "pure_bf16" not in remedies
+    peak = remedies["float32"].change(start)
+    for category in (PARAMETERS, GRADIENTS, OPTIMIZER_STATE):
+        assert peak.at_step[category] == start.at_step[category] // 2
+    compile(remedies["float32"].snippet, "float32", "exec")

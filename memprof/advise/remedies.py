@@ -110,7 +110,10 @@ def catalogue(peak: Peak, ctx: Context) -> list[Remedy]:
 
 
 def _precision(ctx: Context, busy: bool) -> list[Remedy]:
-    if set(ctx.model.get("dtypes") or {"float32": 1}) != {"float32"}:
+    dtypes = ctx.model.get("dtypes") or {"float32": 1}
+    if dtypes.get("float64"):
+        return _single(dtypes["float64"] / sum(dtypes.values()))
+    if set(dtypes) != {"float32"}:
         return []
     amp = bool(ctx.model.get("autocast"))
     pure = Remedy(
@@ -144,6 +147,20 @@ def _precision(ctx: Context, busy: bool) -> list[Remedy]:
         "    loss = compute_loss(model, batch)  # the forward pass and the loss only\n"
         "loss.backward()",
         {"autocast": "bfloat16"}), pure]
+
+
+def _single(share: float) -> list[Remedy]:
+    """float32 for a model in float64 (``share`` of its parameters)."""
+    kept = 1 - share / 2
+    return [Remedy(
+        "float32", "float32 instead of float64", "precision", 2,
+        "numerics: float32's 7 significant digits, as nearly all training uses", SEEDS["004"],
+        f"the float64 parameters ({share:.0%} of them), their gradients and optimizer state"
+        " halve, and so do the activations and temporaries in that share",
+        lambda p: p.scaled({k: kept for k in (PARAMETERS, BUFFERS, GRADIENTS, OPTIMIZER_STATE,
+                                              ACTIVATIONS, TEMPORARIES)}),
+        "model = model.float()  # or never .double(); and float32 inputs:\n"
+        "torch.set_default_dtype(torch.float32)")]
 
 
 def _checkpointing(ctx: Context) -> list[Remedy]:
