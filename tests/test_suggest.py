@@ -391,3 +391,9 @@ def test_a_float64_model_is_offered_float32_which_halves_it(runs: Path):
     for category in (PARAMETERS, GRADIENTS, OPTIMIZER_STATE):
         assert peak.at_step[category] == start.at_step[category] // 2
     compile(remedies["float32"].snippet, "float32", "exec")
+
+
+def test_a_peak_never_reserves_less_than_a_segment(runs: Path):
+    start = advise(load_run(runs / "mlp"), parse_budget("1MB")).start
+    tiny = start.scaled({k: 1e-5 for k in start.at_peak})  # a few KiB allocated
+    assert 0 < tiny.allocated < 64 << 10 and tiny.reserved == 2 << 20

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from memprof.analysis.blocks import SMALL_BUFFER
 from memprof.trace.model import (
     ACTIVATIONS,
     BUFFERS,
@@ -45,7 +46,10 @@ class Peak:
 
     @property
     def reserved(self) -> int:
-        return int(self.allocated * (1 + self.cache_ratio))
+        # at least the allocated bytes in whole segments: the smallest is 2 MiB
+        allocated = self.allocated
+        return max(int(allocated * (1 + self.cache_ratio)), -(-allocated // SMALL_BUFFER)
+                   * SMALL_BUFFER)
 
     @property
     def moment(self) -> dict[str, int]:
