@@ -129,3 +129,4 @@ def test_a_peak_the_ring_buffer_dropped_is_still_reported_and_gated(tmp_path: Pa
         assert run_peak["allocated_bytes"] is None
         assert "The run's peak came before them: at least 16.00 MiB allocated" in result.stderr
     assert result.code == 1 and "exceeds --max-peak 8.00 MiB" in result.stderr
+    assert "so the replay starts without the segments they made" in d["replay"]["note"]

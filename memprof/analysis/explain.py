@@ -326,9 +326,12 @@ def _replay_summary(snapshot: Snapshot, result: Replay, segments: list[Segment],
     notes = unmodelled(settings)
     c = result.check
     predicted = result.reserved_predicted
+    dropped = sum(snapshot.dropped.values())
     summary = ReplaySummary(
         modelled=not notes,
-        note="; ".join(notes) or _verdict(c),
+        note="; ".join(notes) or _verdict(c) + (
+            f"; the trace lost its {dropped:,} oldest events (a ring buffer), so the replay"
+            " starts without the segments they made" if dropped else ""),
         decisions_matched=c.decisions_matched,
         decisions_total=c.decisions_total,
         segments_predicted=c.segments_predicted,
