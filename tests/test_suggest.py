@@ -61,7 +61,8 @@ def test_budgets_tell_decimal_from_binary():
 
 
 def test_bad_input_is_one_line_and_exit_2(runs: Path):
-    for args in (("--budget", "lots"), ("--budget", "-3GB"), ()):
+    for args in (("--budget", "lots"), ("--budget", "-3GB"), (),
+                 ("--budget", "1MB", "--verify", "--batch-arg", "nope")):  # before any re-run
         result = suggest(runs, "mlp", *args)
         assert result.code == 2, args
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

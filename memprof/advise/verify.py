@@ -43,6 +43,8 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
     verifiable remedy of the ranking, and with the whole plan when memprof can apply all
     its steps (``plan``). Returns the advice, its plan made again without the remedies
     that measured no saving (``Advice.excluded``), and the measurements."""
+    if batch_arg is not None:
+        value_of(rerun.args, batch_arg)  # a flag the command lacks: one error, before any run
     measured: Measured = {}
     progress("the run as recorded")
     measured[BASELINE] = rerun.peak()
