@@ -181,3 +181,48 @@ def test_a_long_run_of_distinct_steps_shows_its_ends_and_its_peak() -> None:
     assert labels[:8] == [str(k) for k in range(1, 9)] and labels[-7:] == [
         str(k) for k in range(94, 101)]
     assert "41" in labels and labels.count("…") == 2 and len(rows) <= 19
+
+
+GAN = """\
+import torch
+g, d = torch.nn.Linear(16, 32), torch.nn.Linear(32, 1)
+opt_g, opt_d = torch.optim.Adam(g.parameters()), torch.optim.Adam(d.parameters())
+for i in range(6):
+    fake = g(torch.randn(64, 16))
+    d(fake.detach()).mean().backward()  # the discriminator's step
+    opt_d.step(); opt_d.zero_grad()
+    (-d(fake).mean()).backward()  # then the generator's
+    opt_g.step(); opt_g.zero_grad(); opt_d.zero_grad()
+    print("iteration", i)
+"""
+
+
+def test_two_optimizers_make_one_step_per_iteration(tmp_path: Path) -> None:
+    (tmp_path / "gan.py").write_text(GAN)
+    whole = memprof_run(tmp_path, "--device", "cpu", "-o", "whole", "gan.py")
+    assert whole.code == 0, whole.stderr
+    data = report(tmp_path / "whole")
+    assert data["run"]["optimizer_steps"] == 6
+    ends = [s["end_allocated_bytes"] for s in data["devices"][0]["steps"]]
+    assert len(set(ends[1:])) == 1  # no alternation between the two optimizers' steps
+    stopped = memprof_run(tmp_path, "--device", "cpu", "--steps", "2", "-o", "two", "gan.py")
+    assert stopped.code == 0 and stopped.stdout.split("\n")[:-1] == ["iteration 0"]
+    assert report(tmp_path / "two")["run"]["optimizer_steps"] == 2
+
+
+def test_step_pace_ends_a_step_per_iteration_of_several_optimizers() -> None:
+    from memprof.collect.step_pace import END, MOVE, StepPace
+
+    class Opt:  # an optimizer, as far as the pace goes: identity and weak references
+        pass
+
+    def paced(order: list[Opt]) -> list[str | None]:
+        pace = StepPace()
+        return [pace.at(o) for o in order]
+
+    a, b, c = Opt(), Opt(), Opt()
+    assert paced([a, a, a]) == [END, END, END]
+    assert paced([a, b, a, b, a, b]) == [END, MOVE, None, END, None, END]
+    assert paced([a, b, c, a, b, c]) == [END, MOVE, MOVE, None, None, END]
+    # the script replaces its optimizer (the old one still alive): the new one paces
+    assert paced([a, a, b, b, b]) == [END, END, None, END, END]

@@ -86,13 +86,17 @@ def stops(steps: int | None = None, seconds: float | None = None) -> Iterator[No
 def _step_limit(steps: int) -> Any:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from memprof.collect.step_pace import END, StepPace
+
     done = 0
+    pace = StepPace()  # as the report counts steps: one per iteration of several optimizers
 
     def count(optimizer: Any, args: Any, kwargs: Any) -> None:
         nonlocal done
-        done += 1
-        if done >= steps:
-            raise Stop("steps", 0)
+        if pace.at(optimizer) == END:
+            done += 1
+            if done >= steps:  # (with several optimizers, --steps 1 ends at the first's step)
+                raise Stop("steps", 0)
 
     return register_optimizer_step_post_hook(count)
 

@@ -66,6 +66,9 @@ class LabelHooks(RoleHooks):
         # the tracker's own list: its ring buffer shifts step ends as it drops events
         self._tracker.steps.append(len(self._tracker.events))
 
+    def _move_step_end(self) -> None:
+        self._tracker.steps[-1] = len(self._tracker.events)
+
     def _fused_attention(self) -> bool:
         return self._tracker.fused_attention
 

@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memprof.collect.forward_facts import ForwardFacts
 from memprof.collect.model_facts import model_facts
+from memprof.collect.step_pace import END, MOVE, StepPace
 from memprof.collect.storages import tensors_in
 from memprof.trace.model import (
     ACTIVATIONS,
@@ -53,6 +54,7 @@ class RoleHooks:
         self.model: dict[str, Any] = {}  # model_facts(), filled by remove()
         self._autocast: str | None = None  # CUDA autocast dtype seen in a forward
         self._trainer: str | None = None  # "transformers": its Trainer steps the optimizer
+        self._pace = StepPace()
         self._forward = ForwardFacts()
         self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -109,6 +111,10 @@ class RoleHooks:
     def _end_step(self) -> None:
         """An optimizer step has just ended."""
         self.steps.append(self._position())
+
+    def _move_step_end(self) -> None:
+        """The last step ends now instead (another optimizer of its iteration stepped)."""
+        self.steps[-1] = self._position()
 
     def _fused_attention(self) -> bool:
         """Whether a ``scaled_dot_product_attention`` kernel ran (unknown here: False)."""
@@ -169,6 +175,12 @@ class RoleHooks:
 
     def _on_step_post(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         self._mark_state(optimizer)
+        where = self._pace.at(optimizer)
+        if where == MOVE:  # the iteration goes on with another optimizer (step_pace.py)
+            self._move_step_end()
+            return
+        if where != END:
+            return
         self._end_step()
         self._steps_seen += 1
         if self._steps_seen <= 2:  # the state exists after a step; the objects may not at exit
