@@ -3,12 +3,12 @@
 A script may build its model on the CPU and then call ``.cuda()`` (the virtual GPU records
 the move), or compute with it on the CPU. Parameters and buffers a module registers on
 the host stay real tensors, initialised by ``nn.init`` as usual, until together they would
-hold :data:`HOST_STATE_BUDGET` (1 GiB: more than a model that anyone trains on a CPU);
-beyond it they become storage-less host tensors (``HostVirtualTensor``) that ``nn.init``
-leaves alone, and memprof says so, so a 3B-parameter model built on the host before
-``.cuda()`` never needs its 12 GB of weights, nor minutes of initialisation (1 GiB of
-``trunc_normal_`` alone takes over a minute on a CPU core). A real tensor is always
-initialised: the script may compute with it on the CPU.
+hold :data:`HOST_STATE_BUDGET` (256 MiB: 64M fp32 parameters, more than models trained on a
+CPU have); beyond it they become storage-less host tensors (``HostVirtualTensor``) that
+``nn.init`` leaves alone, and memprof says so, so a 3B-parameter model built on the host
+before ``.cuda()`` never needs its 12 GB of weights, nor minutes of initialisation (256 MiB
+of ``trunc_normal_`` takes 6 s on a CPU core). A real tensor is always initialised: the
+script may compute with it on the CPU.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor, virtual_like
 from memprof.report.units import format_bytes
 
-HOST_STATE_BUDGET = 1 << 30
+HOST_STATE_BUDGET = 256 << 20
 
 # nn.init's in-place initializers, which have nothing to fill in a virtual tensor
 INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
