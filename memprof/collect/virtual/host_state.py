@@ -7,8 +7,8 @@ hold :data:`HOST_STATE_BUDGET` (256 MiB: 64M fp32 parameters, more than models t
 CPU have); beyond it they become storage-less host tensors (``HostVirtualTensor``) that
 ``nn.init`` leaves alone, and memprof says so, so a 3B-parameter model built on the host
 before ``.cuda()`` never needs its 12 GB of weights, nor minutes of initialisation (256 MiB
-of ``trunc_normal_`` takes 6 s on a CPU core). A real tensor is always initialised: the
-script may compute with it on the CPU.
+of ``trunc_normal_`` takes 6 s on a CPU core). Every tensor that stays real is initialised,
+however often: the script may compute with it on the CPU.
 """
 
 from __future__ import annotations
@@ -42,11 +42,16 @@ class HostState:
         self.budget = budget
         self.kept = 0  # bytes of host parameters and buffers kept real
         self.passed = False  # the budget was passed (and memprof said so)
+        # id() of the tensors kept real: no weak reference (Module._apply's swap of a
+        # parameter refuses one), and a reused id only costs an initialisation
+        self._real: set[int] = set()
         self._hooks: list[RemovableHandle] = []
 
     def patches(self) -> dict[tuple[Any, str], Callable[..., Any]]:
-        """``nn.init``'s initializers, skipping virtual tensors."""
-        return {(torch.nn.init, name): _skipping_virtual(getattr(torch.nn.init, name))
+        """``nn.init``'s initializers, skipping virtual tensors, and real ones that would not
+        fit the budget (scripts initialise a weight before they register it as a parameter,
+        which then makes it storage-less): every tensor that stays real is initialised."""
+        return {(torch.nn.init, name): self._within_budget(getattr(torch.nn.init, name))
                 for name in INITIALIZERS}
 
     def install(self) -> None:
@@ -57,6 +62,15 @@ class HostState:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+    def _within_budget(self, init: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def initialise(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if isinstance(tensor, VirtualTensor) or (
+                    id(tensor) not in self._real
+                    and self.kept + tensor.numel() * tensor.element_size() > self.budget):
+                return tensor
+            return init(tensor, *args, **kwargs)
+        return initialise
 
     def _keeps(self, t: torch.Tensor) -> bool:
         size = t.numel() * t.element_size()
@@ -69,6 +83,7 @@ class HostState:
                       " cpu", file=sys.stderr)
             return False
         self.kept += size
+        self._real.add(id(t))
         return True
 
     def _parameter(self, module: torch.nn.Module, name: str,
@@ -85,9 +100,3 @@ class HostState:
                 or self._keeps(buffer):
             return None
         return virtual_like(buffer, kind=HostVirtualTensor)
-
-
-def _skipping_virtual(init: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def initialise(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return tensor if isinstance(tensor, VirtualTensor) else init(tensor, *args, **kwargs)
-    return initialise
