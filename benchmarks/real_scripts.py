@@ -60,14 +60,20 @@ class Workload:
     iteration_ms: Callable[[str], list[float]]  # the script's printed iteration times
 
 
-def nanogpt(checkout: Path, iters: int, tmp: Path) -> Workload:
-    """nanoGPT's README CPU command, ``iters`` iterations, on a synthetic token file."""
+def nanogpt_data(tmp: Path) -> Path:
+    """A folder nanoGPT's ``--dataset=`` takes: random Shakespeare-character tokens."""
     data = tmp / "nanogpt-data"
     data.mkdir(exist_ok=True)
     tokens = np.random.default_rng(0).integers(0, 65, 1_000_000, dtype=np.uint16)
     tokens.tofile(data / "train.bin")
     tokens[:100_000].tofile(data / "val.bin")
     (data / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65}))
+    return data
+
+
+def nanogpt(checkout: Path, iters: int, tmp: Path) -> Workload:
+    """nanoGPT's README CPU command, ``iters`` iterations, on a synthetic token file."""
+    data = nanogpt_data(tmp)
     argv = [str(checkout / "train.py"), "config/train_shakespeare_char.py", "--device=cpu",
             "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
             "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",

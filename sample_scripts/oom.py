@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     if not 0 < args.fraction <= 1:
         sys.exit(f"--fraction {args.fraction}: expected a number in (0, 1]")
+    if device.index is None:  # set_per_process_memory_fraction needs the index
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(args.seed)
     torch.cuda.set_per_process_memory_fraction(args.fraction, device)
     limit = args.fraction * torch.cuda.get_device_properties(device).total_memory

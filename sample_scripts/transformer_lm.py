@@ -85,7 +85,7 @@ def build_model(args: argparse.Namespace) -> DecoderLM:
     return DecoderLM(args.vocab, args.d_model, args.heads, args.layers, args.seq)
 
 
-def train_step(model: DecoderLM, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace,
                device: torch.device) -> float:
     """One next-token-prediction step on fresh random tokens; returns the loss."""
     tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), device=device)
@@ -106,6 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--amp", choices=sorted(AMP), default="off",
                         help="autocast the forward pass to this dtype")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     add_device_and_seed(parser)
     return parse_with_presets(parser, PRESETS, argv)
 
@@ -118,12 +119,13 @@ def main(argv: list[str] | None = None) -> tuple[DecoderLM, torch.optim.Optimize
     with device:  # parameters made where they live: no host copy of a large model
         model = build_model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    step_model = torch.compile(model) if args.compile else model
     n_params = sum(p.numel() for p in model.parameters())
     print(f"decoder LM: {args.layers} layers, d_model {args.d_model}, {args.heads} heads,"
           f" seq {args.seq}, batch {args.batch}, vocab {args.vocab}: {n_params:,} parameters")
     loss = float("nan")
     for _ in range(args.steps):
-        loss = train_step(model, optimizer, args, device)
+        loss = train_step(step_model, optimizer, args, device)
     print(f"final loss {loss:.4f} after {args.steps} steps")
     if device.type == "cuda":
         print(f"max_memory_allocated {torch.cuda.max_memory_allocated()}")

@@ -18,12 +18,23 @@ FIXTURES = Path(os.environ.get("MEMPROF_FIXTURES",
 
 # the ground-truth runs' snapshots are real snapshots too
 GROUNDTRUTH_SNAPSHOTS = FIXTURES.parent / "groundtruth" / "snapshots"
+# recorded by this project on a GPU (benchmarks/gpu_validation.py): a folder per sample run,
+# its snapshots beside counters.json, what PyTorch and NVML measured in the same run
+GPU_FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
 
 
 def fixture_files() -> list[Path]:
-    """Every real snapshot in the shared fixtures folders (empty when they are absent)."""
-    return sorted(p for folder in (FIXTURES, GROUNDTRUTH_SNAPSHOTS) if folder.is_dir()
-                  for p in folder.iterdir() if p.suffix in (".pickle", ".pkl"))
+    """Every real snapshot: the shared fixtures folders' (absent on a machine without
+    them) and this project's GPU recordings."""
+    shared = sorted(p for folder in (FIXTURES, GROUNDTRUTH_SNAPSHOTS) if folder.is_dir()
+                    for p in folder.iterdir() if p.suffix in (".pickle", ".pkl"))
+    return shared + sorted(GPU_FIXTURES.glob("*/*.pickle"))
+
+
+def fixture_id(path: Path) -> str:
+    """A test id for a snapshot: its name, with its folder's for the GPU recordings."""
+    return f"gpu/{path.parent.name}/{path.name}" if path.parent.parent == GPU_FIXTURES \
+        else path.name[:40]
 
 
 needs_fixtures = pytest.mark.skipif(

@@ -14,7 +14,7 @@ from memprof.analysis.settings import parse_alloc_conf, unmodelled
 from memprof.trace import load_snapshot
 from memprof.trace.model import AllocatorSettings
 from memprof.trace.normalize import normalize
-from tests.conftest import fixture, fixture_files, load_raw, needs_fixtures
+from tests.conftest import fixture, fixture_files, fixture_id, load_raw, needs_fixtures
 from tests.independent import peak_allocated
 
 MIB = 1 << 20
@@ -30,7 +30,7 @@ TRACED = [p for p in fixture_files() if _has_allocs(p)]
 
 
 @needs_fixtures
-@pytest.mark.parametrize("path", TRACED, ids=[p.name[:40] for p in TRACED])
+@pytest.mark.parametrize("path", TRACED, ids=[fixture_id(p) for p in TRACED])
 def test_every_decision_and_address_is_reproduced(path):
     snapshot = load_snapshot(path)
     for device in snapshot.devices:

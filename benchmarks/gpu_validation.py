@@ -1,0 +1,204 @@
+"""memprof on a real GPU: fixtures, a real OOM, the virtual GPU's error, and overhead.
+
+Usage, on a machine with a CUDA GPU (one command, device time is short):
+    python benchmarks/gpu_validation.py device OUTDIR [--seconds S] [--nanogpt PATH]
+It runs every sample script three ways, plain under ``gpu_probe.py`` (PyTorch's and
+NVML's own counters), under ``memprof run`` on the GPU (the snapshot and report that
+become ``tests/fixtures/gpu/``), and under ``memprof run`` on the virtual GPU with the
+GPU hidden (``CUDA_VISIBLE_DEVICES=``: a CUDA build of torch on a machine without one, as
+on most laptops), then forces an OOM three ways and times plain python against
+``memprof run`` on the transformer sample, eager and under ``torch.compile``, and on
+nanoGPT's ``train.py`` as its README runs it on a GPU (compiled, bf16) when given a
+checkout (github:karpathy/nanoGPT; its data is synthetic). Everything
+lands in OUTDIR (``results.json``, run folders, logs); phases that would pass the time
+given are skipped and said so.
+
+Then, here:
+    python benchmarks/gpu_validation.py table OUTDIR
+writes ``results/gpu-validation.md`` from what the card measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_scripts"
+PROBE = Path(__file__).resolve().parent / "gpu_probe.py"
+
+RUNS: dict[str, list[str]] = {
+    "mlp_adam": ["mlp_adam.py"],
+    "cnn": ["cnn.py"],
+    "leak": ["leak.py"],
+    "named_blocks": ["named_blocks.py"],
+    "transformer_tiny": ["transformer_lm.py"],
+    "transformer_real": ["transformer_lm.py", "--size", "real", "--steps", "3"],
+    "transformer_real_bf16": ["transformer_lm.py", "--size", "real", "--steps", "3",
+                              "--amp", "bf16"],
+}
+OOM = ["oom.py"]
+TIMED = ["transformer_lm.py", "--size", "real", "--amp", "bf16", "--steps", "30"]
+ROUNDS = 2
+
+
+class Device:
+    """The GPU machine's side: runs commands within a time budget, keeps every result."""
+
+    def __init__(self, out: Path, seconds: float) -> None:
+        self.out = out
+        self.deadline = time.monotonic() + seconds
+        self.results: dict[str, Any] = {"skipped": []}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def command(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+                limit: float = 240, cwd: Path = ROOT) -> dict[str, Any]:
+        """Run ``argv``: its exit code, wall seconds, and output (in ``logs/NAME.txt``)."""
+        logs = self.out / "logs"
+        logs.mkdir(exist_ok=True)
+        limit = min(limit, max(self.left(), 1))
+        start = time.perf_counter()
+        try:  # a missing program is an error like any other: the phases go on
+            done = subprocess.run(argv, cwd=cwd, env={**os.environ, **(env or {}),
+                                                      "COLUMNS": "120"},
+                                  capture_output=True, text=True, timeout=limit)
+            code, stdout, stderr = done.returncode, done.stdout, done.stderr
+        except subprocess.TimeoutExpired as exc:
+            code, stdout, stderr = "timeout", str(exc.stdout or ""), str(exc.stderr or "")
+        except OSError as exc:
+            code, stdout, stderr = "oserror", "", str(exc)
+        seconds = time.perf_counter() - start
+        (logs / f"{name}.txt").write_text(f"$ {' '.join(argv)}\nexit {code}, {seconds:.2f} s\n"
+                                          f"--- stdout\n{stdout}\n--- stderr\n{stderr}")
+        print(f"{name}: exit {code}, {seconds:.1f} s", flush=True)
+        return {"code": code, "seconds": seconds}
+
+    def probe(self, name: str, script: list[str], memprof: list[str] | None = None,
+              cwd: Path = SAMPLES) -> dict[str, Any]:
+        """Run a sample under the probe (under ``memprof run`` when ``memprof`` is given)."""
+        facts = self.out / "probes" / f"{name}.json"
+        facts.parent.mkdir(exist_ok=True)
+        runner = [sys.executable, "-m", "memprof", "run", *memprof] if memprof is not None \
+            else [sys.executable]
+        ran = self.command(name, [*runner, str(PROBE), str(facts), str(cwd / script[0]),
+                                  *script[1:]], cwd=cwd)
+        if facts.is_file():
+            ran["probe"] = json.loads(facts.read_text())
+        return ran
+
+    def memprof(self, name: str, script: list[str], where: str, options: list[str] = (),
+                env: dict[str, str] | None = None) -> dict[str, Any]:
+        """``memprof run`` of a sample into ``OUTDIR/WHERE/NAME``: its report's facts."""
+        folder = self.out / where / name
+        ran = self.command(f"{where}-{name}", [sys.executable, "-m", "memprof", "run", "-f",
+                                               "-o", str(folder), *options,
+                                               str(SAMPLES / script[0]), *script[1:]], env)
+        report = folder / "report.json"
+        if report.is_file():
+            ran["report"] = json.loads(report.read_text())["run"]
+        return ran
+
+    def phase(self, name: str, needs: float) -> bool:
+        if self.left() < needs:
+            self.results["skipped"].append(name)
+            print(f"skipped {name}: {self.left():.0f} s left", flush=True)
+            return False
+        return True
+
+    def save(self) -> None:
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=1))
+
+
+def nanogpt_argv(checkout: Path, out: Path) -> list[str]:
+    """nanoGPT's Shakespeare-character training as its README runs it on a GPU (compiled,
+    bf16 autocast), 40 iterations on synthetic tokens, each iteration's time printed."""
+    from real_scripts import nanogpt_data
+
+    return ["train.py", "config/train_shakespeare_char.py", f"--dataset={nanogpt_data(out)}",
+            "--max_iters=40", "--eval_iters=5", "--log_interval=1",
+            f"--out_dir={out / 'nanogpt-out'}"]
+
+
+def device(out: Path, seconds: float, nanogpt: Path | None) -> None:
+    """Everything the card can tell, most important first."""
+    run = Device(out, seconds)
+    run.command("nvidia-smi", ["nvidia-smi"])
+    hidden = {"CUDA_VISIBLE_DEVICES": ""}
+    for name, script in RUNS.items():
+        if not run.phase(name, 30):
+            continue
+        run.results[name] = {"plain": run.probe(f"plain-{name}", script),
+                             "gpu": run.memprof(name, script, "gpu")}
+        total = run.results[name]["plain"].get("probe", {}).get("total_memory")
+        run.results["total_memory"] = run.results.get("total_memory") or total
+        run.save()
+    spec = [f"--virtual-gpu={run.results.get('total_memory') or 'H100'}"]
+    if run.phase("oom", 60):
+        run.results["oom"] = {
+            "plain": run.command("plain-oom", [sys.executable, str(SAMPLES / OOM[0])]),
+            "gpu": run.memprof("oom", OOM, "gpu"),
+            "virtual": run.memprof("oom", OOM, "virtual", spec, hidden)}
+        run.save()
+    timed = [("eager", TIMED, SAMPLES, False), ("compile", [*TIMED, "--compile"], SAMPLES, True)]
+    if nanogpt is not None:
+        timed.append(("nanogpt", nanogpt_argv(nanogpt, out), nanogpt, True))
+    for label, script, cwd, compiled in timed:
+        if not run.phase(f"overhead-{label}", 100):
+            continue
+        if compiled:  # the first compile fills Inductor's cache: every timed run then finds it
+            run.probe(f"warm-{label}", script, cwd=cwd)
+        rounds = run.results[f"overhead_{label}"] = []
+        for i in range(ROUNDS if run.left() > 200 else 1):
+            rounds.append({
+                "plain": run.probe(f"time-{label}-plain-{i}", script, cwd=cwd),
+                "memprof": run.probe(f"time-{label}-memprof-{i}", script,
+                                     ["-f", "-o", f"/tmp/memprof-time-{label}-{i}"], cwd)})
+            run.save()
+    for name, script in RUNS.items():
+        if name in run.results and run.phase(f"virtual-{name}", 30):
+            run.results[name]["virtual"] = run.memprof(name, script, "virtual", spec, hidden)
+            run.save()
+    if run.phase("gpu-tests", 60):
+        run.results["gpu_tests"] = run.command("gpu-tests", [
+            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            "tests/test_run_cli.py", "-k", "oom_sample"])
+    run.save()
+
+
+def ratio(rounds: list[dict[str, Any]], key: str) -> float:
+    """Median over rounds of memprof's ``key`` against plain python's."""
+    def value(ran: dict[str, Any]) -> float:
+        if key == "seconds":
+            return ran["seconds"]
+        if key == "script":
+            return ran["probe"]["script_seconds"]
+        return statistics.median(ran["probe"]["step_times"][3:])
+    return statistics.median(value(r["memprof"]) / value(r["plain"]) for r in rounds)
+
+
+def main() -> None:
+    mode, out, *rest = sys.argv[1:]
+    if mode == "device":
+        seconds = float(rest[rest.index("--seconds") + 1]) if "--seconds" in rest else 420
+        nanogpt = Path(rest[rest.index("--nanogpt") + 1]).resolve() if "--nanogpt" in rest \
+            else None
+        device(Path(out), seconds, nanogpt)
+    elif mode == "table":
+        from gpu_table import write
+
+        write(Path(out))
+    else:
+        sys.exit(f"unknown mode {mode!r}: expected device or table")
+
+
+if __name__ == "__main__":
+    main()
