@@ -11,6 +11,7 @@ from memprof.collect.virtual.cards import CARDS, DEFAULT_CARD, parse_spec
 # the issue's table: card -> (marketing GB, compute capability)
 ISSUE_TABLE = {
     "H100 80GB": (80, (9, 0)),
+    "H200": (141, (9, 0)),
     "H100 NVL 94GB": (94, (9, 0)),
     "A100 80GB": (80, (8, 0)),
     "A100 40GB": (40, (8, 0)),
@@ -40,6 +41,7 @@ def test_driver_totals_are_below_the_marketing_size(card):
 
 @pytest.mark.parametrize(("spec", "name"), [
     ("h100", "H100 80GB"), ("H100 80GB", "H100 80GB"), ("NVIDIA H100 80GB HBM3", "H100 80GB"),
+    ("h200", "H200"), ("H200 SXM 141GB", "H200"), ("NVIDIA H200", "H200"),
     ("h100-nvl", "H100 NVL 94GB"), ("A100", "A100 80GB"), ("A100-40GB", "A100 40GB"),
     ("a100_40gib", "A100 40GB"), ("a10", "A10 24GB"), ("A10 24GB", "A10 24GB"),
     ("l4", "L4"), ("L40S", "L40S"), ("rtx4090", "RTX 4090"),
@@ -66,7 +68,7 @@ def test_sizes_make_a_card_of_that_memory(spec, total):
     assert card.context_bytes == DEFAULT_CARD.context_bytes
 
 
-@pytest.mark.parametrize("spec", ["h200", "", "24 apples", "100MB", "0GB", "-3GB"])
+@pytest.mark.parametrize("spec", ["b200", "", "24 apples", "100MB", "0GB", "-3GB"])
 def test_bad_specs_say_which_cards_exist(spec):
     with pytest.raises(ValueError) as error:
         parse_spec(spec)

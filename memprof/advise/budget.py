@@ -44,5 +44,6 @@ def parse_budget(text: str) -> Budget:
                          " 24000MB, 'A100 40GB')") from None
     return Budget(card.usable_bytes,
                   f"{card.name}: {format_bytes(card.total_bytes)} less the CUDA context"
-                  f" ({format_bytes(card.context_bytes)}, assumed) ="
+                  f" ({format_bytes(card.context_bytes)},"
+                  f" {'measured' if card.context_measured else 'assumed'}) ="
                   f" {card.usable_bytes:,} bytes")

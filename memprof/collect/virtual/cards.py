@@ -18,14 +18,18 @@ from memprof.sizes import parse_size
 _MIB = 1 << 20
 
 # The CUDA context (driver state, kernels loaded lazily, the cuBLAS handle) that a
-# PyTorch process holds outside the caching allocator. No ground-truth run recorded
-# nvidia-smi, so no card has a measured figure yet: this is the assumption, inside the
-# 300-600 MiB that PyTorch processes with lazy module loading (CUDA 11.7+, the default
-# since PyTorch 1.13) show beside memory_reserved() in nvidia-smi. The one fixture that
-# tells (Constructor-Sun's OOM on device 1: 78.42 GiB reserved + 91.25 MiB free, an 80 GB
-# non-Hopper card by its cuBLAS workspace) leaves about 0.75 GiB on an A100 80GB, but
+# PyTorch process holds outside the caching allocator. Measured on one card only, the
+# H200 (tests/fixtures/gpu, benchmarks/results/gpu-validation.md): NVML's memory for the
+# process less memory_reserved() was 742 MiB after training with cuBLAS (torch
+# 2.11.0+cu130, driver 580.159.04), 758 MiB with cuDNN convolutions or bf16 autocast,
+# 676 MiB without cuBLAS. Other cards keep the assumption, inside the 300-600 MiB that
+# PyTorch processes with lazy module loading (CUDA 11.7+) were reported to show beside
+# memory_reserved() in nvidia-smi with CUDA 11 and 12; CUDA 13 loads more. The one
+# ground-truth fixture that tells (Constructor-Sun's OOM on device 1: 78.42 GiB reserved
+# + 91.25 MiB free, an 80 GB non-Hopper card) leaves about 0.75 GiB on an A100 80GB, but
 # that process also held nn.DataParallel's NCCL state: not a clean measurement.
 CONTEXT_ASSUMED_BYTES = 512 * _MIB
+CONTEXT_H200_BYTES = 742 * _MIB
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ CARDS: tuple[Card, ...] = (
     # torch's _CudaDeviceProperties prints; other drivers: 81079-81106 MiB, and "total
     # capacity of 79.11 GiB" in a 2025 vLLM OOM message (vllm-project/vllm#27508).
     Card("H100 80GB", "NVIDIA H100 80GB HBM3", 85028896768, (9, 0), 132),
+    # measured by this project: total_memory 150109880320 ("total capacity of 139.80 GiB"
+    # in its OOM message) on driver 580.159.04, torch 2.11.0+cu130; nvidia-smi: 143771MiB.
+    Card("H200", "NVIDIA H200", 150109880320, (9, 0), 132, CONTEXT_H200_BYTES, True),
     # gpu_total_bytes=99456909312 logged by torch 2.5.1+cu124 on an "NVIDIA H100 NVL";
     # a RunPod H100 NVL's OOM says "total capacity of 93.00 GiB" (ali-vilab/VACE#56).
     Card("H100 NVL 94GB", "NVIDIA H100 NVL", 99456909312, (9, 0), 132),
@@ -83,6 +90,7 @@ DEFAULT_CARD = CARDS[0]
 # Names people type that the card's own name does not already give.
 _ALIASES = {
     "H100 80GB": ("h100", "h100sxm", "h100sxm5", "h100sxm80gb", "h100sxm580gb", "h10080gbhbm3"),
+    "H200": ("h200sxm", "h200141gb", "h200sxm141gb", "h200sxm5141gb"),
     "H100 NVL 94GB": ("h100nvl", "h100nvl94gb", "h10094gb"),
     "A100 80GB": ("a100", "a100sxm480gb", "a100sxm80gb", "a10080gbpcie"),
     "A100 40GB": ("a100sxm440gb", "a100pcie40gb", "a100sxm40gb"),
