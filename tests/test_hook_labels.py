@@ -74,6 +74,23 @@ def test_the_first_category_in_order_wins_and_other_addresses_are_ignored() -> N
     assert label_trace(trace, sightings) == [[0, "parameters"], [1, "temporaries"]]
 
 
+def test_unseen_blocks_that_live_on_are_blas_workspaces_by_size_and_call() -> None:
+    cublas, lt = 32 << 20, 1 << 20
+    linear = [{"filename": "linear.py", "line": 134, "name": "forward"}]
+    batch = [{"filename": "train.py", "line": 9, "name": "main"}]
+    trace = [_alloc(0, 512, 1), {**_alloc(1 << 30, cublas, 2), "frames": linear},
+             {**_alloc(2 << 30, lt, 3), "frames": linear},  # the same call's Lt workspace
+             {**_alloc(3 << 30, lt, 4), "frames": batch},  # a batch the script keeps
+             {**_alloc(4 << 30, cublas, 5), "frames": []},  # the backward thread's
+             {**_alloc(5 << 30, lt, 6), "frames": []}, *_free(5 << 30, lt, 7)]
+    seen = [Sighting(1, 0, 512, "parameters")]
+    assert label_trace(trace, seen, workspaces=(cublas, lt)) == [
+        [0, "parameters"], [1, "workspace"], [2, "workspace"], [3, "other"],
+        [4, "workspace"], [5, "temporaries"]]
+    # without the sizes (a CPU recording), nothing is a workspace
+    assert {c for _, c in label_trace(trace, seen)} == {"parameters", "other", "temporaries"}
+
+
 def test_a_sequence_clock_and_step_ends() -> None:
     trace = [_alloc(0x1000, 8, 0), *_free(0x1000, 8, 0), _alloc(0x1000, 8, 0)]
     times = sequence_times(trace)

@@ -6,11 +6,13 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, load_raw
+import torch
+from conftest import GPU_FIXTURES, ROOT, load_raw
 
 from memprof.collect.virtual.cards import CARDS, parse_spec
 from memprof.collect.virtual.workspaces import (
     CublasWorkspaces,
+    blas_workspace_sizes,
     cublas_workspace_bytes,
     parse_workspace_config,
 )
@@ -66,12 +68,64 @@ def test_the_environment_overrides_the_default():
 
 def test_one_workspace_per_thread_and_stream():
     spaces = CublasWorkspaces(size=1000)
-    assert spaces.allocation_for("aten.relu.default", "main") == 0
-    assert spaces.allocation_for("aten.mm.default", "main") == 1000
-    assert spaces.allocation_for("bmm", "main") == 0
-    assert spaces.allocation_for("addmm", "main", stream=7) == 1000
-    assert spaces.allocation_for("aten.mm.out", "autograd") == 1000
-    assert spaces.allocation_for("mm", "autograd") == 0
+    assert spaces.allocations_for("aten.relu.default", "main") == []
+    assert spaces.allocations_for("aten.mm.default", "main") == [1000]
+    assert spaces.allocations_for("bmm", "main") == []
+    assert spaces.allocations_for("addmm", "main", stream=7) == [1000]
+    assert spaces.allocations_for("aten.mm.out", "autograd") == [1000]
+    assert spaces.allocations_for("mm", "autograd") == []
+
+
+def _linear_args(bias_shape: tuple[int, ...], rows: int = 8) -> tuple:
+    meta = {"device": "meta"}
+    return torch.empty(bias_shape, **meta), torch.empty(rows, 16, **meta), \
+        torch.empty(16, 32, **meta)
+
+
+def test_a_bias_vector_makes_addmm_take_a_cublaslt_workspace_too():
+    spaces = CublasWorkspaces(size=1000, lt_size=100)
+    assert spaces.allocations_for("mm", "main") == [1000]
+    assert spaces.allocations_for("addmm", "main", 0, _linear_args((32, 8))) == []  # 2-D
+    assert spaces.allocations_for("addmm", "main", 0, _linear_args((32,)), {"beta": 2}) == []
+    assert spaces.allocations_for("addmm", "main", 0, _linear_args((32,), rows=1)) == []
+    assert spaces.allocations_for("addmm", "main", 0, _linear_args((32,))) == [100]
+    assert spaces.allocations_for("addmm", "main", 0, _linear_args((1, 32))) == []  # held
+    # a thread whose first BLAS call is an Lt one takes both, cuBLAS's first
+    assert spaces.allocations_for("_addmm_activation", "other") == [1000, 100]
+    assert CublasWorkspaces(size=1000).allocations_for(
+        "addmm", "main", 0, _linear_args((32,))) == [1000]  # unified: no Lt workspace
+
+
+def test_the_lt_workspace_size_follows_pytorchs_environment():
+    hopper = (9, 0)
+    assert blas_workspace_sizes(hopper, {}) == (32 << 20, 1 << 20)
+    assert blas_workspace_sizes((8, 0), {}) == (cublas_workspace_bytes(parse_spec("A100")),
+                                               1 << 20)
+    assert blas_workspace_sizes(hopper, {"CUBLASLT_WORKSPACE_SIZE": "4096"})[1] == 4 << 20
+    # capped at the cuBLAS workspace, as PyTorch caps it; a bad value keeps the default
+    assert blas_workspace_sizes(hopper, {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == (
+        128 << 10, 128 << 10)
+    assert blas_workspace_sizes(hopper, {"CUBLASLT_WORKSPACE_SIZE": "big"})[1] == 1 << 20
+    for true in ("1", "true", "ON"):
+        assert blas_workspace_sizes(hopper, {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": true})[1] == 0
+    assert blas_workspace_sizes(hopper, {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"})[1] == 1 << 20
+
+
+@pytest.mark.parametrize("run", ["mlp_adam", "cnn", "transformer_real"])
+def test_an_h200_training_run_holds_cublas_and_lt_workspaces(run):
+    """Recorded on an H200 (torch 2.11.0+cu130): the first Linear's addmm makes the
+    forward thread's 32 MiB cuBLAS and 1 MiB Lt workspaces, one after the other; the
+    backward's first matmul its own 32 MiB; none is ever freed."""
+    cublas, lt = blas_workspace_sizes(parse_spec("H200").capability, {})
+    trace = load_raw(GPU_FIXTURES / run / "snapshot.pickle")["device_traces"][0]
+    never_freed = _never_freed(trace)
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    spaces = [n for n, e in enumerate(allocs) if e["size"] in (cublas, lt)
+              and e["addr"] in never_freed]
+    assert [allocs[n]["size"] for n in spaces] == [cublas, lt, cublas]
+    assert spaces[1] == spaces[0] + 1
+    assert _python_names(allocs[spaces[0]])[:2] == ["forward", "inner"]
+    assert _python_names(allocs[spaces[2]]) == []  # autograd's device thread
 
 
 @pytest.mark.parametrize("kind, holders", [("forward_memory", 1), ("forward_and_backward", 2)])

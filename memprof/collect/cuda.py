@@ -48,6 +48,15 @@ class CudaHistory:
         return snapshot
 
 
+def blas_workspaces(device: int) -> tuple[int, int]:
+    """The cuBLAS and separate cuBLASLt workspace bytes PyTorch allocates on ``device``."""
+    import torch
+
+    from memprof.collect.virtual.workspaces import blas_workspace_sizes
+
+    return blas_workspace_sizes(torch.cuda.get_device_capability(device), os.environ)
+
+
 def device_facts() -> dict[str, Any]:
     """GPU name, driver, and the CUDA context: NVML process memory minus PyTorch's reserved."""
     import torch

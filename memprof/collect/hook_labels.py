@@ -20,7 +20,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from memprof.trace.model import ACTIVATIONS, CATEGORIES, EVAL_ACTIVATIONS, OTHER, TEMPORARIES
+from memprof.trace.model import (
+    ACTIVATIONS,
+    CATEGORIES,
+    EVAL_ACTIVATIONS,
+    OTHER,
+    TEMPORARIES,
+    WORKSPACE,
+)
 
 Event = dict[str, Any]
 READ = "read"  # a tag sighting: a backward unpacked the storage
@@ -67,11 +74,13 @@ def sequence_clock(events: Sequence[Event]) -> Callable[[], int]:
 
 
 def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
-                times: Sequence[int] | None = None) -> list[list[Any]]:
+                times: Sequence[int] | None = None,
+                workspaces: tuple[int, int] = (0, 0)) -> list[list[Any]]:
     """``[event_index, category]`` for every alloc event of ``trace``: the first in
     ``CATEGORIES`` order among its sightings; unseen, ``temporaries`` if the trace frees
-    it and ``other`` if not. ``times``: the clock the sightings used (``event_times``
-    by default)."""
+    it, ``workspace`` if it is a BLAS library's (``workspaces``: the cuBLAS and the
+    separate cuBLASLt workspace's bytes, ``blas_workspace_sizes``) and ``other`` if not.
+    ``times``: the clock the sightings used (``event_times`` by default)."""
     times = event_times(trace) if times is None else times
     blocks = blocks_by_address(trace, times)
     best: dict[int, str] = {}
@@ -84,8 +93,32 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
                 best[index] = seen.category
     freed = {i for b in blocks.values() for i, end in zip(b.events, b.ends, strict=True)
              if end != _NEVER}
-    return [[i, best.get(i, TEMPORARIES if i in freed else OTHER)]
-            for i, e in enumerate(trace) if e["action"] == "alloc"]
+    labels = []
+    previous: Event | None = None  # the alloc before, and whether it was a workspace
+    was_workspace = False
+    for i, e in enumerate(trace):
+        if e["action"] != "alloc":
+            continue
+        category = best.get(i, TEMPORARIES if i in freed else OTHER)
+        if category == OTHER and _is_workspace(e, previous, was_workspace, workspaces):
+            category = WORKSPACE
+        labels.append([i, category])
+        previous, was_workspace = e, category == WORKSPACE
+    return labels
+
+
+def _is_workspace(alloc: Event, previous: Event | None, after_workspace: bool,
+                  sizes: tuple[int, int]) -> bool:
+    """Whether an unseen block that lives to the end is a BLAS workspace: the cuBLAS
+    workspace's size, or the Lt workspace's, requested by the same call right after a
+    cuBLAS workspace (a thread's first Lt call makes both); the hooks see no tensor in
+    them, and a tensor the script keeps of exactly these sizes is told apart by its
+    call."""
+    cublas, lt = sizes
+    if cublas and alloc["size"] == cublas:
+        return True
+    return bool(lt and alloc["size"] == lt and after_workspace and previous is not None
+                and previous.get("frames") == alloc.get("frames"))
 
 
 def tag_trace(trace: Sequence[Event], tags: Sequence[Sighting], labels: Sequence[Sequence[Any]],

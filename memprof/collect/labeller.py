@@ -91,12 +91,13 @@ class HookLabeller(RoleHooks):
                 self._exit_hook.remove()
                 self._exit_hook = None
 
-    def labels(self, trace: Sequence[Event], times: Sequence[int] | None = None
-               ) -> dict[str, Any]:
+    def labels(self, trace: Sequence[Event], times: Sequence[int] | None = None,
+               workspaces: tuple[int, int] = (0, 0)) -> dict[str, Any]:
         """The snapshot's ``memprof`` entry for ``trace``, whose events happened at
-        ``times`` on this labeller's clock (their ``time_us`` by default)."""
+        ``times`` on this labeller's clock (their ``time_us`` by default); ``workspaces``:
+        the BLAS workspaces' sizes (``label_trace``)."""
         times = event_times(trace) if times is None else times
-        labels = label_trace(trace, self.sightings, times)
+        labels = label_trace(trace, self.sightings, times, workspaces)
         return {
             "version": SNAPSHOT_VERSION,
             "recorder": "cuda",

@@ -64,9 +64,10 @@ def record_cuda(target: Target, max_entries: int, profile_to: Path | None, steps
         outcome, seconds = run_profiled(target, profile_to, steps, seconds, ended)
     device = torch_device()
     snapshots = [s for s in (history.stop(), history.oom_snapshot) if s is not None]
+    workspaces = cuda.blas_workspaces(device)
     for snapshot in snapshots:
-        snapshot["memprof"] = {**labeller.labels(snapshot["device_traces"][device]),
-                               "device": device}
+        snapshot["memprof"] = {**labeller.labels(snapshot["device_traces"][device],
+                                                 workspaces=workspaces), "device": device}
     facts = cuda.device_facts()
     return Recording(snapshots[0], outcome, f"cuda ({facts['name']})", False, seconds, facts,
                      history.oom_snapshot)

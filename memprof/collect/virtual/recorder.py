@@ -20,10 +20,11 @@ from memprof.analysis.blocks import OutOfMemory
 from memprof.analysis.layout import Placer
 from memprof.collect.frames import StackCapture
 from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
+from memprof.collect.virtual import kernel_memory
 from memprof.collect.virtual.accumulate import ADD, accumulates_in_place
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.tensor import VirtualTensor
-from memprof.collect.virtual.workspaces import CublasWorkspaces, cublas_workspace_bytes
+from memprof.collect.virtual.workspaces import CublasWorkspaces, blas_workspace_sizes
 from memprof.trace.events import ADDR, STACK, TIME_US, OomEvent, Stack, TraceEvent
 from memprof.trace.model import WORKSPACE, AllocatorSettings
 
@@ -57,8 +58,7 @@ class VirtualRecorder(StorageTracker):
         self.allocated_total = [0, 0]
         self.freed_total = [0, 0]
         self.peak_blocks = 0  # blocks allocated at once, at most
-        self._workspaces = CublasWorkspaces(
-            cublas_workspace_bytes(card, os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        self._workspaces = CublasWorkspaces(*blas_workspace_sizes(card.capability, os.environ))
         self._held: list[VirtualTensor] = []  # cuBLAS workspaces: never freed
 
     @property
@@ -104,16 +104,36 @@ class VirtualRecorder(StorageTracker):
             return
         super()._record(virtual, func, args, kwargs)
         if func is not None:
-            self._cublas_workspace(str(func))
+            self._cublas_workspaces(str(func), args, kwargs)
+            if func._opname in kernel_memory.NAMES:
+                self._scratch(kernel_memory.scratch(func, args, kwargs, self.card))
 
-    def _cublas_workspace(self, op: str) -> None:
-        """A BLAS op's first call on a thread allocates that thread's cuBLAS workspace,
-        after the op's output (``workspaces.py``); autograd's backward runs on a thread
-        of its own on a real card."""
+    def _scratch(self, found: kernel_memory.Scratch | None) -> None:
+        """What the kernel requests beyond its outputs, freed as the real one frees it
+        (``kernel_memory.py``): requested after the outputs, last request freed first."""
+        if found is None:
+            return
+        held = [self._scratch_block(size) for size in found.held]
+        for launch in found.launches:
+            blocks = [self._scratch_block(size) for size in launch]
+            while blocks:
+                blocks.pop()  # its last reference: the free is recorded now
+        while held:
+            held.pop()
+
+    def _scratch_block(self, size: int) -> VirtualTensor:
+        with torch._C.DisableTorchFunction():
+            block = VirtualTensor(torch.empty(size, dtype=torch.uint8, device="meta"))
+        self._record(block, None, (), {})
+        return block
+
+    def _cublas_workspaces(self, op: str, args: tuple, kwargs: dict) -> None:
+        """A BLAS op's first call on a thread allocates that thread's cuBLAS workspace
+        (and a cuBLASLt op's its Lt workspace), after the op's output (``workspaces.py``);
+        autograd's backward runs on a thread of its own on a real card."""
         backward = torch._C._current_graph_task_id() != -1
-        size = self._workspaces.allocation_for(op, "backward" if backward
-                                               else threading.get_ident())
-        if size:
+        for size in self._workspaces.allocations_for(
+                op, "backward" if backward else threading.get_ident(), 0, args, kwargs):
             with torch._C.DisableTorchFunction():
                 workspace = VirtualTensor(torch.empty(size, dtype=torch.uint8, device="meta"))
             self._held.append(workspace)

@@ -18,11 +18,15 @@ allocation is **the cuBLAS workspace**, and it behaves exactly as PyTorch's
   of the first backward, no Python frames). Inference holds one.
 - Lifetime: never freed (until ``torch._C._cuda_clearCublasWorkspaces()``); it stays
   allocated, so it counts in ``memory_allocated()`` and every peak.
-- cuBLASLt (``addmm`` with bias, bf16 epilogues, ``_scaled_mm``): on CUDA builds the Lt
-  workspace is unified with the cuBLAS one by default
-  (``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` unset), so it adds no allocation. With
-  ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` it is separate: ``CUBLASLT_WORKSPACE_SIZE``
-  KiB, default 1 MiB, per (thread, device, stream) too.
+- cuBLASLt (``addmm`` with a bias vector, as ``nn.Linear`` calls it, ``_addmm_activation``,
+  ``_scaled_mm``): its first call on a (thread, stream) also allocates a **separate Lt
+  workspace**, right after the cuBLAS one (its handle's): ``CUBLASLT_WORKSPACE_SIZE``
+  KiB, default 1 MiB, capped at the cuBLAS workspace's size, never freed.
+  ``getCUDABlasLtWorkspace()`` shares the cuBLAS workspace only when
+  ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is set true (its size function treats unset as
+  unified, its allocator does not). Seen on an H200 with torch 2.11.0+cu130
+  (``tests/fixtures/gpu``: every training run holds 32 MiB + 1 MiB from its first
+  ``Linear`` and 32 MiB from the backward's first matmul).
 
 The fixtures show one more kind, not modelled here yet: **the staging buffer of a
 global reduction** (``aten/src/ATen/native/cuda/Reduce.cuh``: when a reduction splits
@@ -42,14 +46,16 @@ the caching allocator).
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+
+import torch
 
 from memprof.collect.virtual.cards import Card
 
 CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8"
 CUBLAS_WORKSPACE_LARGE = 4096 * 1024 * 8  # ":4096:8", Hopper and newer
-CUBLASLT_WORKSPACE_SEPARATE = 1024 * 1024  # CUBLASLT_WORKSPACE_SIZE default (KiB 1024)
+CUBLASLT_WORKSPACE_DEFAULT_KIB = 1024  # CUBLASLT_WORKSPACE_SIZE's default
 
 # capability majors that get the 32 MiB default: Hopper (9) and Blackwell (10, 12)
 _LARGE_MAJORS = frozenset({9, 10, 12})
@@ -60,7 +66,12 @@ BLAS_OPS = frozenset({
     "_addmm_activation", "_int_mm", "_scaled_mm",
 })
 
+# aten ops that always go through cuBLASLt; ``addmm`` does when its bias is a vector
+LT_OPS = frozenset({"_addmm_activation", "_scaled_mm", "_scaled_grouped_mm"})
+_LT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
 _PAIR = re.compile(r":([0-9]+):([0-9]+)")
+_TRUE = ("1", "true", "yes", "on", "y")
 
 
 def parse_workspace_config(config: str) -> int | None:
@@ -76,33 +87,90 @@ def cublas_workspace_bytes(card: Card, config: str | None = None) -> int:
 
     ``config`` is ``$CUBLAS_WORKSPACE_CONFIG`` (None when unset).
     """
+    return _cublas_bytes(card.capability, config)
+
+
+def _cublas_bytes(capability: tuple[int, int], config: str | None) -> int:
     if config is not None:
         chosen = parse_workspace_config(config)
         if chosen is not None:
             return chosen
-    if card.capability[0] in _LARGE_MAJORS:
+    if capability[0] in _LARGE_MAJORS:
         return CUBLAS_WORKSPACE_LARGE
     return CUBLAS_WORKSPACE_DEFAULT
 
 
+def blas_workspace_sizes(capability: tuple[int, int], env: Mapping[str, str]
+                         ) -> tuple[int, int]:
+    """(cuBLAS, separate cuBLASLt) workspace bytes on a card of ``capability`` under the
+    environment ``env``: what each thread's first BLAS and Lt calls allocate."""
+    cublas = _cublas_bytes(capability, env.get("CUBLAS_WORKSPACE_CONFIG"))
+    return cublas, cublaslt_workspace_bytes(cublas, env.get("CUBLASLT_WORKSPACE_SIZE"),
+                                            env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE"))
+
+
+def cublaslt_workspace_bytes(cublas_bytes: int, size_kib: str | None = None,
+                             unified: str | None = None) -> int:
+    """The separate cuBLASLt workspace PyTorch allocates per thread and stream; 0 when it
+    shares the cuBLAS one. ``size_kib`` is ``$CUBLASLT_WORKSPACE_SIZE``, ``unified``
+    ``$TORCH_CUBLASLT_UNIFIED_WORKSPACE`` (None when unset)."""
+    if unified is not None and unified.strip().lower() in _TRUE:
+        return 0
+    kib = CUBLASLT_WORKSPACE_DEFAULT_KIB
+    if size_kib is not None and size_kib.strip().isdigit():  # else PyTorch warns, keeps it
+        kib = int(size_kib)
+    return min(kib * 1024, cublas_bytes)
+
+
+def uses_cublaslt(op: str, args: tuple, kwargs: dict) -> bool:
+    """Whether an aten op (bare name) runs through cuBLASLt: ``addmm`` with a bias vector
+    (``addmm_out_cuda_impl``'s Lt path: beta 1, a floating dtype, matrices larger than
+    one row and column), or one of ``LT_OPS``."""
+    if op in LT_OPS:
+        return True
+    if op != "addmm" or len(args) < 3:
+        return False
+    bias, mat1, mat2 = args[:3]
+    if not all(isinstance(t, torch.Tensor) for t in (bias, mat1, mat2)):
+        return False
+    vector = bias.dim() == 1 or (bias.dim() == 2 and bias.shape[0] == 1)
+    return (vector and kwargs.get("beta", 1) == 1 and bias.dtype in _LT_DTYPES
+            and mat1.dim() == 2 and mat2.dim() == 2 and bias.shape[-1] == mat2.shape[1]
+            and mat1.shape[0] > 1 and mat2.shape[0] > 1 and mat2.shape[1] > 1)
+
+
 @dataclass
 class CublasWorkspaces:
-    """Which (thread, stream) pairs hold a cuBLAS workspace: the first BLAS call of each allocates.
+    """Which (thread, stream) pairs hold a cuBLAS workspace (the first BLAS call of each
+    allocates it) and a separate cuBLASLt one (the first Lt call of each, ``lt_size``
+    bytes; 0 when the two are unified).
 
     ``thread`` is any key for the calling thread; a virtual GPU should give the backward
-    pass its own key, as autograd's device thread has its own workspace on a real card.
+    pass its own key, as autograd's device thread has its own workspaces on a real card.
     """
 
     size: int
+    lt_size: int = 0
     held: set[tuple[Hashable, int]] = field(default_factory=set)
+    held_lt: set[tuple[Hashable, int]] = field(default_factory=set)
 
-    def allocation_for(self, op_name: str, thread: Hashable, stream: int = 0) -> int:
-        """Bytes to allocate (after the op's outputs) when ``op_name`` runs; 0 if none.
+    def allocations_for(self, op_name: str, thread: Hashable, stream: int = 0,
+                        args: tuple = (), kwargs: dict | None = None) -> list[int]:
+        """Bytes to allocate, in order (after the op's outputs), when ``op_name`` runs
+        with ``args`` and ``kwargs``; none when it calls no BLAS library or the thread
+        already holds what it uses.
 
         ``op_name`` is an aten op, bare or qualified: ``'mm'``, ``'aten.mm.default'``.
         """
         op = op_name.removeprefix("aten.").split(".")[0]
-        if op not in BLAS_OPS or (thread, stream) in self.held:
-            return 0
-        self.held.add((thread, stream))
-        return self.size
+        if op not in BLAS_OPS and op not in LT_OPS:
+            return []
+        key = (thread, stream)
+        sizes = []
+        if key not in self.held:
+            self.held.add(key)
+            sizes.append(self.size)
+        if self.lt_size and key not in self.held_lt and uses_cublaslt(op, args, kwargs or {}):
+            self.held_lt.add(key)
+            sizes.append(self.lt_size)
+        return sizes
