@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from memprof.collect.virtual.autocast import AUTOCAST_CUDA
+from memprof.collect.virtual.kernel_memory import output_storage_bytes
 from memprof.collect.virtual.meta_cache import MetaCache
 from memprof.collect.virtual.value_sizes import note_sized_by_values, unsupported_operator
 
@@ -27,6 +28,9 @@ _CPU = torch.device("cpu")
 _META = torch.device("meta")
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _TO_COPY = torch.ops.aten._to_copy.default
+# its outputs 2 and 3, the dropout RNG's seed and offset, are host scalars on a card
+# (attention.cu makes device ones only while a CUDA graph is captured)
+_EFFICIENT_ATTENTION = torch.ops.aten._scaled_dot_product_efficient_attention.default
 _run_meta = MetaCache()
 _told = False
 
@@ -144,8 +148,13 @@ class VirtualTensor(torch.Tensor):
                             {k: _map(_unwrap, v) for k, v in kwargs.items()})
         except NotImplementedError:  # no meta kernel: one line that says why
             raise unsupported_operator(func) from None
+        if func._opname == "mse_loss":  # its scalar sits on the elementwise loss's storage
+            out = _on_storage_of(out, output_storage_bytes(func, args))
         on_device = not to_host and (_any_virtual(args) or _any_virtual(kwargs.values()))
         wrap = VirtualTensor if on_device else HostVirtualTensor
+        if func is _EFFICIENT_ATTENTION:
+            return tuple(HostVirtualTensor(x) if i in (2, 3) else wrap(x)
+                         for i, x in enumerate(out))
         if getattr(func, "is_view", False) and _viewing_normal_tensor(args):
             # as a view of a normal tensor is, in inference mode too (autograd then gives it
             # its base's version counter, which an inference tensor cannot hold)
@@ -187,6 +196,14 @@ def _map(fn: Callable[[Any], Any], x: Any) -> Any:
     if isinstance(x, (tuple, list, dict)):  # a named tuple, say: rare
         return tree_map(fn, x)
     return fn(x)
+
+
+def _on_storage_of(t: torch.Tensor, nbytes: int | None) -> torch.Tensor:
+    """``t`` on a storage of ``nbytes`` (a larger one than its shape needs), or ``t``."""
+    if nbytes is None:
+        return t
+    storage = torch.UntypedStorage(nbytes, device="meta")
+    return torch.empty(0, dtype=t.dtype, device="meta").set_(storage, 0, t.shape, t.stride())
 
 
 def _any_virtual(values: Any) -> bool:

@@ -1,0 +1,145 @@
+"""Device memory a CUDA kernel requests that its meta kernel does not show.
+
+A meta kernel returns outputs; the CUDA kernel behind it may also request scratch memory
+from the caching allocator while it is queued, and an output may sit on a larger storage
+than its shape needs. Both were seen on a real card (``tests/fixtures/gpu``, an H200 with
+torch 2.11.0+cu130):
+
+- **Reductions** (``sum``, ``mean``, ``amax``, ``var``, ``argmax``, ...) that split each
+  output over several blocks stage their partial results in a buffer and count finished
+  blocks in semaphores, both requested right after the output and freed once the kernel
+  is queued (``reductions.py`` ports the sizing). A ``Linear``'s bias gradient over a
+  large batch stages up to (SM count) x (outputs) x (block width) floats: 132 MiB for
+  2,048 outputs on an H200.
+- **``mse_loss``** with a reduction is a structured kernel whose meta function first
+  sizes its output as the elementwise loss, then as a scalar: the scalar keeps the
+  elementwise storage. Its CUDA kernel then computes the elementwise loss into a
+  temporary of that size, reduces it into the output, and frees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memprof.collect.virtual.cards import Card
+from memprof.collect.virtual.reductions import max_threads_per_sm, reduction_staging
+
+# accumulator (arg_t) bytes per op: None means the opmath type of the output
+_OPMATH = {"sum", "nansum", "prod", "mean", "linalg_vector_norm", "norm"}
+_INPUT_TYPE = {"amax", "amin"}
+_PAIRED = {"argmax", "argmin"}  # pair<value, int64> (16 bytes); max.dim/min.dim too
+_WELFORD = {"var", "std", "var_mean", "std_mean"}
+_BOOLEAN = {"any", "all"}
+_HALF = (torch.float16, torch.bfloat16)
+# every op name ``scratch`` looks at: the rest pass by at the cost of a set lookup
+NAMES = frozenset({*_OPMATH, *_INPUT_TYPE, *_PAIRED, *_WELFORD, *_BOOLEAN, "max", "min",
+                   "mse_loss"})
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """What a kernel requests beyond its outputs, in request order."""
+
+    held: tuple[int, ...] = ()  # requested first, freed after every launch
+    launches: tuple[tuple[int, ...], ...] = ()  # each freed (last first) once queued
+
+
+def output_storage_bytes(func: torch._ops.OpOverload, args: tuple) -> int | None:
+    """The storage a reduced ``mse_loss`` returns its scalar on: the elementwise loss's."""
+    if func._opname != "mse_loss" or _loss_reduction(args) == 0:
+        return None
+    return _elementwise_bytes(args)
+
+
+def scratch(func: torch._ops.OpOverload, args: tuple, kwargs: dict, card: Card
+            ) -> Scratch | None:
+    """What ``func`` requests on ``card`` beyond its outputs; None for nothing."""
+    name, overload = func._opname, func._overloadname
+    if name == "mse_loss":
+        if _loss_reduction(args) == 0:
+            return None
+        dtype = args[0].dtype
+        shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+        held, launches = _staging(shape, _contiguous(shape), (), dtype, dtype,
+                                  4 if dtype in _HALF else args[0].element_size(), card,
+                                  can_accumulate=dtype not in _HALF)
+        return Scratch((_elementwise_bytes(args), *held), launches)
+    acc = _accumulator_bytes(name, overload, args, kwargs)
+    if acc is None or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    t = args[0]
+    out_dtype = kwargs.get("dtype") or t.dtype
+    held, launches = _staging(
+        t.shape, t.stride(), _reduced_dims(name, overload, args, kwargs), t.dtype, out_dtype,
+        acc, card, t.storage_offset(),
+        can_accumulate=not (name in _PAIRED or name in _WELFORD
+                            or (overload == "dim" and name in ("max", "min"))
+                            or (t.dtype in _HALF and out_dtype in _HALF)))
+    return Scratch(held, launches) if held or launches else None
+
+
+def _accumulator_bytes(name: str, overload: str, args: tuple, kwargs: dict) -> int | None:
+    t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if t is None:
+        return None
+    if name in ("max", "min"):
+        return 16 if overload == "dim" else t.element_size() if overload == "default" else None
+    if name in _OPMATH:
+        out = kwargs.get("dtype") or t.dtype
+        return 4 if out in _HALF else torch.empty((), dtype=out, device="meta").element_size()
+    if name in _INPUT_TYPE:
+        return t.element_size()
+    if name in _PAIRED:
+        return 16
+    if name in _WELFORD:
+        return 32 if t.dtype == torch.float64 else 16
+    if name in _BOOLEAN:
+        return 1
+    return None
+
+
+def _reduced_dims(name: str, overload: str, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """The dims an aten reduction reduces; () means all of them."""
+    if overload == "default" and name in ("sum", "mean", "prod", "max", "min", "any", "all"):
+        return ()
+    at = 2 if name in ("linalg_vector_norm", "norm") else 1  # after ``ord``
+    dim = kwargs.get("dim", args[at] if len(args) > at else None)
+    if dim is None:
+        return ()
+    return (dim,) if isinstance(dim, int) else tuple(dim)
+
+
+def _staging(shape: torch.Size, strides: tuple[int, ...], dims: tuple[int, ...],
+             dtype: torch.dtype, out_dtype: torch.dtype, acc: int, card: Card,
+             offset: int = 0, can_accumulate: bool = True
+             ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(held, launches) of one reduction kernel: its accumulation buffer, if any, and
+    each launch's staging buffer and semaphores."""
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    out_itemsize = torch.empty((), dtype=out_dtype, device="meta").element_size()
+    staged = reduction_staging(
+        list(shape), list(strides), dims, itemsize=itemsize, out_itemsize=out_itemsize,
+        acc_itemsize=acc, sm_count=card.sm_count,
+        threads_per_sm=max_threads_per_sm(card.capability), storage_offset=offset,
+        can_accumulate_in_output=can_accumulate,
+        max_block_threads=256 if dtype == torch.complex128 else 512)
+    return ((staged.acc_buffer,) if staged.acc_buffer else ()), staged.launches
+
+
+def _loss_reduction(args: tuple) -> int:
+    return args[2] if len(args) > 2 else 1  # Reduction::Mean by default
+
+
+def _elementwise_bytes(args: tuple) -> int:
+    shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+    return shape.numel() * args[0].element_size()
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
