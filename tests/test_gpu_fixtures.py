@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import GPU_FIXTURES, ROOT
-from test_run_cli import Result, block, load_sample, memprof_run
+from test_run_cli import Result, block, load_sample, memprof_run, run_python
 
 from memprof.analysis.explain import explain
 from memprof.collect.virtual.cards import parse_spec
@@ -82,6 +82,14 @@ def test_explain_names_the_request_and_what_held_the_card_at_the_oom():
     # the model's forward held most of it (its four hidden layers' activations)
     top = oom.live.sites[0]
     assert "oom.py:72" in top.label and top.bytes > oom.allocated_bytes / 2
+
+
+def test_a_labelled_oom_is_not_called_inferred(tmp_path):
+    explained = run_python(["-m", "memprof", "explain", GPU_FIXTURES / "oom" / "snapshot.pickle"],
+                           tmp_path, {"COLUMNS": "200"})
+    assert explained.code == 0, explained.stderr
+    assert "What was allocated at the OOM, by" in explained.stdout
+    assert "inferred" not in explained.stdout  # memprof's labels, recorded on the card
 
 
 # --- the virtual GPU against the card ----------------------------------------------------

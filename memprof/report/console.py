@@ -76,8 +76,8 @@ def _device(d: DeviceFindings) -> Panel:
     parts: list = [_headline(d), _live_tables(d.at_peak, d.categories_inferred, "at the peak")]
     parts += [Text(""), *step_section(d)]
     parts.append(_fragmentation(d))
-    parts.extend(oom_group(o, same_as_peak=o.live.allocated_bytes == d.peak_allocated_bytes)
-                 for o in d.ooms)
+    parts.extend(oom_group(o, o.live.allocated_bytes == d.peak_allocated_bytes,
+                           d.categories_inferred) for o in d.ooms)
     parts.append(_replay(d.replay))
     title = f"device {d.device}" if d.rank is None else f"rank {d.rank}, device {d.device}"
     return Panel(Group(*parts), title=title, title_align="left")
@@ -271,8 +271,9 @@ def _fragmentation(d: DeviceFindings) -> Group:
     return Group(Text(""), t, Text("Segments at the end, by pool and stream", "bold"), pools)
 
 
-def oom_group(o: Oom, same_as_peak: bool) -> Group:
-    """An out-of-memory event: the request, why it failed, what held the memory."""
+def oom_group(o: Oom, same_as_peak: bool, inferred: bool) -> Group:
+    """An out-of-memory event: the request, why it failed, what held the memory
+    (``inferred``: its categories come from stacks, the snapshot has no labels)."""
     if o.kind == "fragmentation":
         why = (f"Fragmentation: {fb(o.cached_free_bytes)} was cached free, more than the request,"
                f" but the largest free block was {fb(o.largest_free_block_bytes)}. Try"
@@ -288,7 +289,7 @@ def oom_group(o: Oom, same_as_peak: bool) -> Group:
         f" and {fb(o.reserved_bytes)} reserved.\n", why)
     if same_as_peak:
         return Group(Text(""), head, Text("What held the memory: the peak, above.", "bold"))
-    return Group(Text(""), head, _live_tables(o.live, True, "at the OOM"))
+    return Group(Text(""), head, _live_tables(o.live, inferred, "at the OOM"))
 
 
 def _replay(r: ReplaySummary) -> Text:

@@ -52,7 +52,7 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
         console.print(modules_table(d.at_peak, "at the peak"))
     for oom in d.ooms:
         same = oom.live.allocated_bytes == d.peak_allocated_bytes
-        console.print(oom_group(oom, same_as_peak=same))
+        console.print(oom_group(oom, same, d.categories_inferred))
 
 
 def breakdown(d: DeviceFindings, run: dict[str, Any]) -> Table:
