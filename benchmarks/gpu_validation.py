@@ -20,9 +20,9 @@ writes ``results/gpu-validation.md`` from what the card measured.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -83,14 +83,14 @@ class Device:
         return {"code": code, "seconds": seconds}
 
     def probe(self, name: str, script: list[str], memprof: list[str] | None = None,
-              cwd: Path = SAMPLES) -> dict[str, Any]:
+              cwd: Path = SAMPLES, env: dict[str, str] | None = None) -> dict[str, Any]:
         """Run a sample under the probe (under ``memprof run`` when ``memprof`` is given)."""
         facts = self.out / "probes" / f"{name}.json"
         facts.parent.mkdir(exist_ok=True)
         runner = [sys.executable, "-m", "memprof", "run", *memprof] if memprof is not None \
             else [sys.executable]
         ran = self.command(name, [*runner, str(PROBE), str(facts), str(cwd / script[0]),
-                                  *script[1:]], cwd=cwd)
+                                  *script[1:]], env, cwd=cwd)
         if facts.is_file():
             ran["probe"] = json.loads(facts.read_text())
         return ran
@@ -128,76 +128,102 @@ def nanogpt_argv(checkout: Path, out: Path) -> list[str]:
             f"--out_dir={out / 'nanogpt-out'}"]
 
 
-def device(out: Path, seconds: float, nanogpt: Path | None) -> None:
-    """Everything the card can tell, most important first."""
+PHASES = ("fixtures", "oom", "overhead", "virtual", "tests")
+WORKLOADS = ("eager", "compile", "nanogpt")
+# memprof's GPU path a part at a time (gpu_probe.py): what each costs
+PARTS = {"history-all": {"PROBE_HISTORY": "all"}, "history-alloc": {"PROBE_HISTORY": "alloc"},
+         "hooks": {"PROBE_HOOKS": "1"}}
+
+
+def device(out: Path, seconds: float, nanogpt: Path | None, phases: tuple[str, ...] = PHASES,
+           runs: tuple[str, ...] = tuple(RUNS), parts: bool = False,
+           workloads: tuple[str, ...] = WORKLOADS) -> None:
+    """Everything the card can tell, most important first: the ``phases`` asked for, the
+    fixture and virtual phases over ``runs``, the overhead phase over ``workloads``; with
+    ``parts``, those also run under each part of memprof's GPU path alone."""
     run = Device(out, seconds)
     run.command("nvidia-smi", ["nvidia-smi"])
     hidden = {"CUDA_VISIBLE_DEVICES": ""}
-    for name, script in RUNS.items():
+    for name in runs if "fixtures" in phases else ():
         if not run.phase(name, 30):
             continue
-        run.results[name] = {"plain": run.probe(f"plain-{name}", script),
-                             "gpu": run.memprof(name, script, "gpu")}
+        run.results[name] = {"plain": run.probe(f"plain-{name}", RUNS[name]),
+                             "gpu": run.memprof(name, RUNS[name], "gpu")}
         total = run.results[name]["plain"].get("probe", {}).get("total_memory")
         run.results["total_memory"] = run.results.get("total_memory") or total
         run.save()
-    spec = [f"--virtual-gpu={run.results.get('total_memory') or 'H100'}"]
-    if run.phase("oom", 60):
+    spec = [f"--virtual-gpu={run.results.get('total_memory') or 'H200'}"]
+    if "oom" in phases and run.phase("oom", 60):
         run.results["oom"] = {
             "plain": run.command("plain-oom", [sys.executable, str(SAMPLES / OOM[0])]),
             "gpu": run.memprof("oom", OOM, "gpu"),
             "virtual": run.memprof("oom", OOM, "virtual", spec, hidden)}
         run.save()
-    timed = [("eager", TIMED, SAMPLES, False), ("compile", [*TIMED, "--compile"], SAMPLES, True)]
-    if nanogpt is not None:
-        timed.append(("nanogpt", nanogpt_argv(nanogpt, out), nanogpt, True))
-    for label, script, cwd, compiled in timed:
-        if not run.phase(f"overhead-{label}", 100):
-            continue
-        if compiled:  # the first compile fills Inductor's cache: every timed run then finds it
-            run.probe(f"warm-{label}", script, cwd=cwd)
-        rounds = run.results[f"overhead_{label}"] = []
-        for i in range(ROUNDS if run.left() > 200 else 1):
-            rounds.append({
-                "plain": run.probe(f"time-{label}-plain-{i}", script, cwd=cwd),
-                "memprof": run.probe(f"time-{label}-memprof-{i}", script,
-                                     ["-f", "-o", f"/tmp/memprof-time-{label}-{i}"], cwd)})
+    if "overhead" in phases:
+        overhead(run, nanogpt, parts, workloads)
+    for name in runs if "virtual" in phases else ():
+        if run.phase(f"virtual-{name}", 30):
+            run.results.setdefault(name, {})["virtual"] = run.memprof(
+                name, RUNS[name], "virtual", spec, hidden)
             run.save()
-    for name, script in RUNS.items():
-        if name in run.results and run.phase(f"virtual-{name}", 30):
-            run.results[name]["virtual"] = run.memprof(name, script, "virtual", spec, hidden)
-            run.save()
-    if run.phase("gpu-tests", 60):
+    if "tests" in phases and run.phase("gpu-tests", 60):
         run.results["gpu_tests"] = run.command("gpu-tests", [
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
             "tests/test_run_cli.py", "-k", "oom_sample"])
     run.save()
 
 
-def ratio(rounds: list[dict[str, Any]], key: str) -> float:
-    """Median over rounds of memprof's ``key`` against plain python's."""
-    def value(ran: dict[str, Any]) -> float:
-        if key == "seconds":
-            return ran["seconds"]
-        if key == "script":
-            return ran["probe"]["script_seconds"]
-        return statistics.median(ran["probe"]["step_times"][3:])
-    return statistics.median(value(r["memprof"]) / value(r["plain"]) for r in rounds)
+def overhead(run: Device, nanogpt: Path | None, parts: bool, workloads: tuple[str, ...]
+             ) -> None:
+    """Plain python against memprof run (and its parts) on the timed workloads, alternating."""
+    timed = [("eager", TIMED, SAMPLES, False), ("compile", [*TIMED, "--compile"], SAMPLES, True)]
+    if nanogpt is not None:
+        timed.append(("nanogpt", nanogpt_argv(nanogpt, run.out), nanogpt, True))
+    for label, script, cwd, compiled in timed:
+        if label not in workloads:
+            continue
+        if not run.phase(f"overhead-{label}", 100):
+            continue
+        if compiled:  # the first compile fills Inductor's cache: every timed run then finds it
+            run.probe(f"warm-{label}", script, cwd=cwd)
+        rounds = run.results[f"overhead_{label}"] = []
+        for i in range(ROUNDS if run.left() > 200 else 1):
+            one = {"plain": run.probe(f"time-{label}-plain-{i}", script, cwd=cwd),
+                   "memprof": run.probe(f"time-{label}-memprof-{i}", script,
+                                        ["-f", "-o", f"/tmp/memprof-time-{label}-{i}"], cwd)}
+            for part, env in PARTS.items() if parts else ():
+                one[part] = run.probe(f"time-{label}-{part}-{i}", script, cwd=cwd, env=env)
+            rounds.append(one)
+            run.save()
 
 
 def main() -> None:
-    mode, out, *rest = sys.argv[1:]
-    if mode == "device":
-        seconds = float(rest[rest.index("--seconds") + 1]) if "--seconds" in rest else 420
-        nanogpt = Path(rest[rest.index("--nanogpt") + 1]).resolve() if "--nanogpt" in rest \
-            else None
-        device(Path(out), seconds, nanogpt)
-    elif mode == "table":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("device", "table"))
+    parser.add_argument("outdir", nargs="?", type=Path,
+                        help="device: where results go; table: a device folder to read")
+    parser.add_argument("--seconds", type=float, default=420, help="device: time budget")
+    parser.add_argument("--nanogpt", type=Path, help="device: a nanoGPT checkout to time")
+    parser.add_argument("--phases", default=",".join(PHASES),
+                        help=f"device: which of {', '.join(PHASES)} to run")
+    parser.add_argument("--runs", default=",".join(RUNS),
+                        help="device: the sample runs of the fixtures and virtual phases")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="device: the timed workloads of the overhead phase")
+    parser.add_argument("--label", help="table: what the OUTDIR's timings measured")
+    parser.add_argument("--parts", action="store_true",
+                        help="device: time each part of memprof's GPU path alone too")
+    args = parser.parse_args()
+    if args.mode == "device":
+        if args.outdir is None:
+            parser.error("device needs OUTDIR")
+        device(args.outdir, args.seconds, args.nanogpt.resolve() if args.nanogpt else None,
+               tuple(args.phases.split(",")), tuple(args.runs.split(",")), args.parts,
+               tuple(args.workloads.split(",")))
+    else:
         from gpu_table import write
 
-        write(Path(out))
-    else:
-        sys.exit(f"unknown mode {mode!r}: expected device or table")
+        write(args.outdir, args.label)
 
 
 if __name__ == "__main__":

@@ -52,11 +52,20 @@ def _run_once(argv: list[str], cwd: Path | None, stdout: Path | None) -> Run:
     return Run(float(seconds), float(rss), float(cpu))
 
 
-def write_table(name: str, header: list[str], rows: list[list[str]], notes: str) -> Path:
-    """Print a markdown table and write it to ``results/<name>.md``."""
+def table_text(header: list[str], rows: list[list[str]], notes: str) -> str:
+    """A markdown table and the notes under it."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
-    text = "\n".join(lines) + "\n\n" + notes.strip() + "\n"
+    return "\n".join(lines) + "\n\n" + notes.strip() + "\n"
+
+
+def write_table(name: str, header: list[str], rows: list[list[str]], notes: str) -> Path:
+    """Print a markdown table and write it to ``results/<name>.md``."""
+    return write_text(name, table_text(header, rows, notes))
+
+
+def write_text(name: str, text: str) -> Path:
+    """Print ``text`` and write it to ``results/<name>.md`` under a title."""
     print(text)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.md"
