@@ -91,6 +91,21 @@ def test_unseen_blocks_that_live_on_are_blas_workspaces_by_size_and_call() -> No
     assert {c for _, c in label_trace(trace, seen)} == {"parameters", "other", "temporaries"}
 
 
+def test_a_forward_marks_a_modules_parameters_again_only_when_they_moved() -> None:
+    model = torch.nn.Linear(4, 4)
+    with HookLabeller() as labeller:
+        def parameters_seen() -> list[int]:
+            return [s.addr for s in labeller.sightings if s.category == "parameters"]
+        model(torch.ones(2, 4))
+        first = parameters_seen()
+        model(torch.ones(2, 4))
+        assert parameters_seen() == first  # the same storages: nothing new to see
+        model.weight.data = torch.zeros(4, 4)  # a new storage, as model.half() makes
+        model(torch.ones(2, 4))
+    assert len(first) == 2 and model.bias.data_ptr() in first  # the weight and the bias
+    assert parameters_seen()[len(first):] == [model.weight.data_ptr()]
+
+
 def test_a_sequence_clock_and_step_ends() -> None:
     trace = [_alloc(0x1000, 8, 0), *_free(0x1000, 8, 0), _alloc(0x1000, 8, 0)]
     times = sequence_times(trace)

@@ -57,6 +57,9 @@ class RoleHooks:
         self._pace = StepPace()
         self._forward = ForwardFacts()
         self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        # each module's parameter and buffer addresses when its forward last marked them
+        self._held: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, ...]] = \
+            weakref.WeakKeyDictionary()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         # no reference to the parameters, weak ones included: Module._apply (model.half())
         # swaps a tensor subclass's parameters in place, which a weak reference forbids
@@ -148,10 +151,15 @@ class RoleHooks:
         self._forward.before(module)
         if self._autocast is None:
             self._autocast = _autocast_dtype(module)
+        held = _addresses(module)
+        if held is not None and self._held.get(module) == held:
+            return  # the same storages as its last forward marked: nothing new to see
         for p in module._parameters.values():
             if p is not None:
                 self._watch_param(p)
         self._mark_buffers(module)
+        if held is not None:
+            self._held[module] = held
 
     def _on_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
         if buffer is not None:
@@ -194,6 +202,17 @@ class RoleHooks:
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+
+def _addresses(module: torch.nn.Module) -> tuple[int, ...] | None:
+    """Where a module's parameters and buffers are (a forward marks them only when this
+    changes: most forwards of a training run see the same storages); None for tensors
+    without a storage of their own (subclasses), which are always marked."""
+    try:
+        return (*(p.data_ptr() for p in module._parameters.values() if p is not None),
+                *(b.data_ptr() for b in module._buffers.values() if b is not None))
+    except RuntimeError:
+        return None
 
 
 def _called_from(frame: FrameType | None, ending: str, depth: int = 16) -> bool:
