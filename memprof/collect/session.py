@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -62,6 +63,8 @@ def record_cuda(target: Target, max_entries: int, profile_to: Path | None, steps
     history.start()
     with labeller:
         outcome, seconds = run_profiled(target, profile_to, steps, seconds, ended)
+        gc.collect()  # what the script left in reference cycles is freed while recording,
+        # as the CPU recorder does: what the trace leaves alive is what is still held
     device = torch_device()
     snapshots = [s for s in (history.stop(), history.oom_snapshot) if s is not None]
     workspaces = cuda.blas_workspaces(device)
