@@ -318,7 +318,10 @@ def test_blocks_the_script_checkpoints_itself_are_not_offered_and_verify_still_r
     # (stopped early by an exception) sees the forward's precision
     autocast = by_key["autocast"]
     assert autocast["verified"] and autocast["verify_error"] is None
-    assert autocast["measured"]["reserved_bytes"] < advice["baseline_measured"]["reserved_bytes"]
+    # allocated: on a model this small, reserved moves with where a bias gradient's
+    # reduction stages its 4 MiB (a segment of its own at the peak, or not)
+    assert autocast["measured"]["allocated_bytes"] < \
+        advice["baseline_measured"]["allocated_bytes"]
 
 
 @pytest.mark.parametrize("how", ["reentrant", "inside", "none"])
