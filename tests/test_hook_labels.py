@@ -106,6 +106,22 @@ def test_a_forward_marks_a_modules_parameters_again_only_when_they_moved() -> No
     assert parameters_seen()[len(first):] == [model.weight.data_ptr()]
 
 
+def test_a_blas_workspace_belongs_to_no_module() -> None:
+    # made inside the first Linear's call, as on a card, but the library's, not the
+    # module's: the virtual GPU attributes it to none either
+    cublas = 32 << 20
+    model = torch.nn.Linear(4, 4)
+    inside: list[int] = []
+    model.register_forward_pre_hook(lambda *_: inside.append(labeller._clock()))
+    with HookLabeller() as labeller:
+        model(torch.ones(2, 4))
+    trace = [{**_alloc(1 << 30, cublas, inside[0]), "frames": []},
+             {**_alloc(2 << 30, 4096, inside[0]), "frames": []}]
+    meta = labeller.labels(trace, workspaces=(cublas, 0))
+    assert meta["labels"] == [[0, "workspace"], [1, "other"]]
+    assert [i for i, _ in meta["modules"]] == [1]
+
+
 def test_a_sequence_clock_and_step_ends() -> None:
     trace = [_alloc(0x1000, 8, 0), *_free(0x1000, 8, 0), _alloc(0x1000, 8, 0)]
     times = sequence_times(trace)

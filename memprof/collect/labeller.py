@@ -38,7 +38,7 @@ from memprof.collect.module_stack import ModuleStack
 from memprof.collect.roles import RoleHooks
 from memprof.collect.storages import storages_behind
 from memprof.collect.weak_ids import WeakIdMap
-from memprof.trace.model import ACTIVATIONS, EVAL_ACTIVATIONS, GRADIENTS
+from memprof.trace.model import ACTIVATIONS, EVAL_ACTIVATIONS, GRADIENTS, WORKSPACE
 
 _Noted = WeakIdMap[tuple[object, str]]
 
@@ -98,6 +98,7 @@ class HookLabeller(RoleHooks):
         the BLAS workspaces' sizes (``label_trace``)."""
         times = event_times(trace) if times is None else times
         labels = label_trace(trace, self.sightings, times, workspaces)
+        library = {i for i, category in labels if category == WORKSPACE}  # not the module's
         return {
             "version": SNAPSHOT_VERSION,
             "recorder": "cuda",
@@ -106,7 +107,8 @@ class HookLabeller(RoleHooks):
             "tags": tag_trace(trace, self.tags, labels, times),
             "steps": step_ends(times, self.steps),
             "model": self.model,
-            "modules": module_trace(trace, self.marks, self.owners, times),
+            "modules": [m for m in module_trace(trace, self.marks, self.owners, times)
+                        if m[0] not in library],
             "model_files": sorted(self._stack.files),
         }
 
