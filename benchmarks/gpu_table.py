@@ -13,6 +13,7 @@ Usage: python benchmarks/gpu_validation.py table [OUTDIR]
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from typing import Any
 
 from measure import RESULTS, table_text, write_text
 
+from memprof.collect.virtual.workspaces import unified_by_default
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
 OVERHEAD = RESULTS / "gpu-overhead.json"
@@ -30,11 +33,15 @@ MIB = 1 << 20
 
 
 def predict(run: str, counters: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    """``memprof run --virtual-gpu`` of the command the card ran: the predicted peaks."""
+    """``memprof run --virtual-gpu`` of the command the card ran: the predicted peaks,
+    with cuBLASLt's workspace kept as the card's torch kept it (apart up to 2.11)."""
     out = tmp / run
+    apart = not unified_by_default(counters["torch_version"])
+    env = {**os.environ, "TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0" if apart else "1"}
     subprocess.run([sys.executable, "-m", "memprof", "run", "--virtual-gpu",
                     counters["memprof_run"]["name"], "--no-timeline", "-o", str(out),
-                    *counters["command"][2:]], cwd=ROOT, capture_output=True, check=False)
+                    *counters["command"][2:]], cwd=ROOT, env=env, capture_output=True,
+                   check=False)
     return json.loads((out / "report.json").read_text())["devices"][0]["peak"]
 
 
@@ -142,7 +149,9 @@ Recorded on one {software} (`tests/fixtures/gpu`, each run's `counters.json` hol
 PyTorch and NVML said at the end of `memprof run`); predicted here with torch
 {torch.__version__} on the CPU by `memprof run --virtual-gpu` with the card's name.
 Median error: allocated {statistics.median(allocated):+.2f}%, reserved
-{statistics.median(reserved):+.2f}% (targets: within 1% and 3%). `context MiB` is NVML's
+{statistics.median(reserved):+.2f}% (targets: within 1% and 3%), with cuBLASLt's workspace
+kept apart as torch 2.11 keeps it (`TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`; 2.12 and later
+share the cuBLAS one by default). `context MiB` is NVML's
 memory for the process less `memory_reserved()`: the CUDA context, now the H200's entry in
 the virtual GPU's card table. Not modelled: cuDNN's convolution workspaces (`cnn`'s
 backward requests 0.7-1.3 MB blocks that open a 20 MiB segment) and flash attention's

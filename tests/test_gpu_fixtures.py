@@ -12,15 +12,24 @@ from pathlib import Path
 
 import pytest
 from conftest import GPU_FIXTURES, ROOT
-from test_run_cli import Result, block, load_sample, memprof_run, run_python
+from test_run_cli import Result, block, load_sample, run_python
 
 from memprof.analysis.explain import explain
 from memprof.collect.virtual.cards import parse_spec
 from memprof.collect.virtual.recorder import format_size
+from memprof.collect.virtual.workspaces import unified_by_default
 from memprof.trace import load_snapshot
 
 RUNS = sorted(p.name for p in GPU_FIXTURES.iterdir() if (p / "counters.json").is_file())
 F32 = 4
+
+
+def as_recorded(run: str) -> dict[str, str]:
+    """The environment that makes this torch keep the cuBLASLt workspace as the card's
+    torch did: 2.11 kept it apart, 2.12 and later share the cuBLAS one unless told not to."""
+    recorded = json.loads((GPU_FIXTURES / run / "counters.json").read_text())["torch_version"]
+    apart = not unified_by_default(recorded)
+    return {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0" if apart else "1"}
 
 
 def counters(run: str) -> dict:
@@ -106,11 +115,12 @@ def _command(run: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def predicted(tmp_path_factory) -> dict[str, Future[tuple[Result, Path]]]:
-    """``memprof run --virtual-gpu H200`` of each recorded command, two at a time."""
+    """``memprof run --virtual-gpu H200`` of each recorded command, two at a time, as the
+    card's torch lays out cuBLASLt's workspace (``as_recorded``)."""
     def predict(run: str) -> tuple[Result, Path]:
         out = tmp_path_factory.mktemp(run) / "out"
-        return memprof_run(ROOT, "--virtual-gpu", "H200", "--no-timeline", "-o", out,
-                           *_command(run)), out
+        return run_python(["-m", "memprof", "run", "--virtual-gpu", "H200", "--no-timeline",
+                           "-o", out, *_command(run)], ROOT, as_recorded(run)), out
     pool = ThreadPoolExecutor(2)
     yield {run: pool.submit(predict, run) for run in [*EXACT, "oom"]}
     pool.shutdown()

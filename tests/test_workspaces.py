@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -97,18 +98,22 @@ def test_a_bias_vector_makes_addmm_take_a_cublaslt_workspace_too():
 
 
 def test_the_lt_workspace_size_follows_pytorchs_environment():
-    hopper = (9, 0)
-    assert blas_workspace_sizes(hopper, {}) == (32 << 20, 1 << 20)
-    assert blas_workspace_sizes((8, 0), {}) == (cublas_workspace_bytes(parse_spec("A100")),
-                                               1 << 20)
-    assert blas_workspace_sizes(hopper, {"CUBLASLT_WORKSPACE_SIZE": "4096"})[1] == 4 << 20
+    hopper, old = (9, 0), "2.11.0+cu130"  # the H200's torch: the Lt workspace apart
+
+    def sizes(env: dict[str, str], capability=hopper, version=old) -> tuple[int, int]:
+        return blas_workspace_sizes(capability, env, version)
+    assert sizes({}) == (32 << 20, 1 << 20)
+    assert sizes({}, (8, 0)) == (cublas_workspace_bytes(parse_spec("A100")), 1 << 20)
+    assert sizes({"CUBLASLT_WORKSPACE_SIZE": "4096"})[1] == 4 << 20
     # capped at the cuBLAS workspace, as PyTorch caps it; a bad value keeps the default
-    assert blas_workspace_sizes(hopper, {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == (
-        128 << 10, 128 << 10)
-    assert blas_workspace_sizes(hopper, {"CUBLASLT_WORKSPACE_SIZE": "big"})[1] == 1 << 20
+    assert sizes({"CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == (128 << 10, 128 << 10)
+    assert sizes({"CUBLASLT_WORKSPACE_SIZE": "big"})[1] == 1 << 20
     for true in ("1", "true", "ON"):
-        assert blas_workspace_sizes(hopper, {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": true})[1] == 0
-    assert blas_workspace_sizes(hopper, {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"})[1] == 1 << 20
+        assert sizes({"TORCH_CUBLASLT_UNIFIED_WORKSPACE": true})[1] == 0
+    # from torch 2.12 an unset variable shares the cuBLAS workspace; false still does not
+    for version in ("2.12.0", "2.13.0+cpu", "3.0.0"):
+        assert sizes({}, version=version) == (32 << 20, 0)
+        assert sizes({"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"}, version=version)[1] == 1 << 20
 
 
 @pytest.mark.parametrize("run", ["mlp_adam", "cnn", "transformer_real"])
@@ -116,7 +121,9 @@ def test_an_h200_training_run_holds_cublas_and_lt_workspaces(run):
     """Recorded on an H200 (torch 2.11.0+cu130): the first Linear's addmm makes the
     forward thread's 32 MiB cuBLAS and 1 MiB Lt workspaces, one after the other; the
     backward's first matmul its own 32 MiB; none is ever freed."""
-    cublas, lt = blas_workspace_sizes(parse_spec("H200").capability, {})
+    torch_version = json.loads((GPU_FIXTURES / run / "counters.json").read_text())[
+        "torch_version"]
+    cublas, lt = blas_workspace_sizes(parse_spec("H200").capability, {}, torch_version)
     trace = load_raw(GPU_FIXTURES / run / "snapshot.pickle")["device_traces"][0]
     never_freed = _never_freed(trace)
     allocs = [e for e in trace if e["action"] == "alloc"]

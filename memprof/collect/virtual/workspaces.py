@@ -19,14 +19,15 @@ allocation is **the cuBLAS workspace**, and it behaves exactly as PyTorch's
 - Lifetime: never freed (until ``torch._C._cuda_clearCublasWorkspaces()``); it stays
   allocated, so it counts in ``memory_allocated()`` and every peak.
 - cuBLASLt (``addmm`` with a bias vector, as ``nn.Linear`` calls it, ``_addmm_activation``,
-  ``_scaled_mm``): its first call on a (thread, stream) also allocates a **separate Lt
-  workspace**, right after the cuBLAS one (its handle's): ``CUBLASLT_WORKSPACE_SIZE``
-  KiB, default 1 MiB, capped at the cuBLAS workspace's size, never freed.
-  ``getCUDABlasLtWorkspace()`` shares the cuBLAS workspace only when
-  ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is set true (its size function treats unset as
-  unified, its allocator does not). Seen on an H200 with torch 2.11.0+cu130
+  ``_scaled_mm``): up to torch 2.11 its first call on a (thread, stream) also allocates
+  a **separate Lt workspace**, right after the cuBLAS one (its handle's):
+  ``CUBLASLT_WORKSPACE_SIZE`` KiB, default 1 MiB, capped at the cuBLAS workspace's size,
+  never freed; ``getCUDABlasLtWorkspace()`` shared the cuBLAS workspace only when
+  ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` was set true (its size function took unset as
+  unified, its allocator did not). Seen on an H200 with torch 2.11.0+cu130
   (``tests/fixtures/gpu``: every training run holds 32 MiB + 1 MiB from its first
-  ``Linear`` and 32 MiB from the backward's first matmul).
+  ``Linear`` and 32 MiB from the backward's first matmul). From torch 2.12
+  (pytorch#175879) unset means shared: no separate block unless the variable is false.
 
 The fixtures show one more kind, not modelled here yet: **the staging buffer of a
 global reduction** (``aten/src/ATen/native/cuda/Reduce.cuh``: when a reduction splits
@@ -72,6 +73,7 @@ _LT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 _PAIR = re.compile(r":([0-9]+):([0-9]+)")
 _TRUE = ("1", "true", "yes", "on", "y")
+_FALSE = ("0", "false", "no", "off", "n")
 
 
 def parse_workspace_config(config: str) -> int | None:
@@ -100,26 +102,40 @@ def _cublas_bytes(capability: tuple[int, int], config: str | None) -> int:
     return CUBLAS_WORKSPACE_DEFAULT
 
 
-def blas_workspace_sizes(capability: tuple[int, int], env: Mapping[str, str]
-                         ) -> tuple[int, int]:
+def blas_workspace_sizes(capability: tuple[int, int], env: Mapping[str, str],
+                         torch_version: str = torch.__version__) -> tuple[int, int]:
     """(cuBLAS, separate cuBLASLt) workspace bytes on a card of ``capability`` under the
-    environment ``env``: what each thread's first BLAS and Lt calls allocate."""
+    environment ``env`` with ``torch_version``: what each thread's first BLAS and Lt
+    calls allocate."""
     cublas = _cublas_bytes(capability, env.get("CUBLAS_WORKSPACE_CONFIG"))
-    return cublas, cublaslt_workspace_bytes(cublas, env.get("CUBLASLT_WORKSPACE_SIZE"),
-                                            env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE"))
+    return cublas, cublaslt_workspace_bytes(
+        cublas, env.get("CUBLASLT_WORKSPACE_SIZE"), env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE"),
+        unified_by_default(torch_version))
 
 
 def cublaslt_workspace_bytes(cublas_bytes: int, size_kib: str | None = None,
-                             unified: str | None = None) -> int:
+                             unified: str | None = None, unified_by_default: bool = False
+                             ) -> int:
     """The separate cuBLASLt workspace PyTorch allocates per thread and stream; 0 when it
     shares the cuBLAS one. ``size_kib`` is ``$CUBLASLT_WORKSPACE_SIZE``, ``unified``
-    ``$TORCH_CUBLASLT_UNIFIED_WORKSPACE`` (None when unset)."""
-    if unified is not None and unified.strip().lower() in _TRUE:
+    ``$TORCH_CUBLASLT_UNIFIED_WORKSPACE`` (None when unset), ``unified_by_default``
+    what an unset one means in the torch at hand (``unified_by_default``)."""
+    setting = (unified or "").strip().lower()
+    if setting in _TRUE or (unified_by_default and setting not in _FALSE):
         return 0
     kib = CUBLASLT_WORKSPACE_DEFAULT_KIB
     if size_kib is not None and size_kib.strip().isdigit():  # else PyTorch warns, keeps it
         kib = int(size_kib)
     return min(kib * 1024, cublas_bytes)
+
+
+def unified_by_default(torch_version: str) -> bool:
+    """Whether an unset ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` shares the cuBLAS workspace:
+    from torch 2.12 (pytorch#175879 made the allocation follow the size parsing, which
+    already took unset as unified); torch 2.11 and before allocate the Lt one apart, as
+    the H200's runs show."""
+    major, minor = (int(part) for part in torch_version.split(".")[:2])
+    return (major, minor) >= (2, 12)
 
 
 def uses_cublaslt(op: str, args: tuple, kwargs: dict) -> bool:
