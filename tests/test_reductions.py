@@ -14,6 +14,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
 
 from memprof.collect.virtual.reductions import max_threads_per_sm, reduction_staging
 from tests.conftest import GPU_FIXTURES, GROUNDTRUTH_SNAPSHOTS
@@ -164,3 +165,22 @@ def test_other_cards_norm_weight_gradients(name: str, rows: int, d_model: int,
                                   threads_per_sm=max_threads_per_sm(capability),
                                   **FP32).sizes()
         assert seen == ([sizes] * count if sizes else [])
+
+
+def test_aten_reductions_reach_the_port_with_their_dims():
+    from memprof.collect.virtual.cards import parse_spec
+    from memprof.collect.virtual.kernel_memory import scratch
+
+    h200, aten = parse_spec("H200"), torch.ops.aten
+    grad = torch.empty(65536, 2048, device="meta")  # a bias gradient's input, as in oom.py
+    bias = scratch(aten.sum.dim_IntList, (grad, [0], True), {}, h200)
+    assert bias is not None and bias.launches == reduction_staging(
+        [65536, 2048], [2048, 1], [0], sm_count=H200_SMS,
+        threads_per_sm=max_threads_per_sm(H200_CAPABILITY), **FP32).launches
+    # every dim: the default overloads, and var.default's second argument is not a dim
+    whole = reduction_staging([65536, 2048], [2048, 1], [], sm_count=H200_SMS,
+                              threads_per_sm=max_threads_per_sm(H200_CAPABILITY), **FP32)
+    assert scratch(aten.sum.default, (grad,), {}, h200).launches == whole.launches
+    welford = scratch(aten.var.default, (grad, True), {}, h200)
+    assert welford is not None and len(welford.launches) == len(whole.launches)
+    assert scratch(aten.relu.default, (grad,), {}, h200) is None  # not a reduction

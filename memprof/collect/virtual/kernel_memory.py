@@ -106,7 +106,7 @@ def _reduced_dims(name: str, overload: str, args: tuple, kwargs: dict) -> tuple[
         return ()
     at = 2 if name in ("linalg_vector_norm", "norm") else 1  # after ``ord``
     dim = kwargs.get("dim", args[at] if len(args) > at else None)
-    if dim is None:
+    if dim is None or isinstance(dim, bool):  # var.default(self, unbiased): every dim
         return ()
     return (dim,) if isinstance(dim, int) else tuple(dim)
 
