@@ -105,7 +105,7 @@ class VirtualRecorder(StorageTracker):
         super()._record(virtual, func, args, kwargs)
         if func is not None:
             self._cublas_workspaces(str(func), args, kwargs)
-            if func._opname in kernel_memory.NAMES:
+            if getattr(func, "_opname", None) in kernel_memory.NAMES:
                 self._scratch(kernel_memory.scratch(func, args, kwargs, self.card))
 
     def _scratch(self, found: kernel_memory.Scratch | None) -> None:

@@ -148,7 +148,7 @@ class VirtualTensor(torch.Tensor):
                             {k: _map(_unwrap, v) for k, v in kwargs.items()})
         except NotImplementedError:  # no meta kernel: one line that says why
             raise unsupported_operator(func) from None
-        if func._opname == "mse_loss":  # its scalar sits on the elementwise loss's storage
+        if getattr(func, "_opname", None) == "mse_loss":  # the scalar keeps the loss's storage
             out = _on_storage_of(out, output_storage_bytes(func, args))
         on_device = not to_host and (_any_virtual(args) or _any_virtual(kwargs.values()))
         wrap = VirtualTensor if on_device else HostVirtualTensor
