@@ -154,10 +154,11 @@ kept apart as torch 2.11 keeps it (`TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`; 2.12 an
 share the cuBLAS one by default). `context MiB` is NVML's
 memory for the process less `memory_reserved()`: the CUDA context, now the H200's entry in
 the virtual GPU's card table. Not modelled: cuDNN's convolution workspaces (`cnn`'s
-backward requests 0.7-1.3 MB blocks that open a 20 MiB segment) and flash attention's
-scratch (`transformer_real_bf16`: two 8-byte blocks per forward and 256 bytes briefly,
-where the virtual GPU keeps a 16- and an 8-byte block; in backward a 24 MiB fp32 buffer
-and 24 bytes, each freed at once, that did not reach the peak).
+backward requests 0.7-1.3 MB blocks that open a 20 MiB segment) and attention kernels'
+scratch (`transformer_real_bf16` ran on cuDNN's attention, where the virtual GPU picks
+flash: two 8-byte blocks per forward and 256 bytes briefly, where flash keeps a 16- and
+an 8-byte block; in backward a 24 MiB fp32 buffer, freed at once, that did not reach the
+peak).
 """
     header = ["run", "command", "card allocated", "predicted", "error", "card reserved",
               "predicted", "error", "context MiB"]
