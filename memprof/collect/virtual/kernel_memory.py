@@ -15,6 +15,20 @@ torch 2.11.0+cu130):
   sizes its output as the elementwise loss, then as a scalar: the scalar keeps the
   elementwise storage. Its CUDA kernel then computes the elementwise loss into a
   temporary of that size, reduces it into the output, and frees it.
+- **Embeddings.** The forward flattens its indices (``indices.reshape(-1)``: a copy when
+  they are not contiguous, as ``tokens[:, :-1]`` is). The backward on more than 3,072
+  indices (``embedding_dense_backward_cuda``) sorts them and sums each row's gradient by
+  segments (``EmbeddingBackwardKernel.cu``): index buffers of n entries, and a gradient
+  per partial segment of (n / 10 + min(n, V)) rows in the accumulation type, freed at
+  once (27.7 MB for 8,192 tokens of GPT-2's 768 wide embedding). CUB's temporary storage
+  for the sort and scans (150,015 and 1,279 bytes there) is not modelled.
+- **Memory-efficient attention's backward** (``_efficient_attention_backward``) needs each
+  row's ``delta``, an fp32 (B, H, M) tensor held through the kernel: 16-bit kernels fill
+  an empty one; fp32 ones compute it in ATen from an fp32 product of the output and its
+  gradient, summed over the head dim. Its workspace accumulates dQ over key splits in
+  64 x 64 tiles for fp32 heads of up to 64 (``cutlassB.h``'s first fit): B x H x
+  ceil(M / 64) x ceil(D / 64) x (64 x 64 + 4) floats, 24 MiB per GPT-2-small layer; other
+  kernels' tiles are not modelled.
 """
 
 from __future__ import annotations
@@ -35,7 +49,9 @@ _BOOLEAN = {"any", "all"}
 _HALF = (torch.float16, torch.bfloat16)
 # every op name ``scratch`` looks at: the rest pass by at the cost of a set lookup
 NAMES = frozenset({*_OPMATH, *_INPUT_TYPE, *_PAIRED, *_WELFORD, *_BOOLEAN, "max", "min",
-                   "mse_loss"})
+                   "mse_loss", "embedding", "embedding_dense_backward",
+                   "_scaled_dot_product_efficient_attention_backward"})
+_SORTED_BACKWARD = 3072  # more indices than this: embedding_dense_backward sorts them
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,12 @@ def scratch(func: torch._ops.OpOverload, args: tuple, kwargs: dict, card: Card
                                   4 if dtype in _HALF else args[0].element_size(), card,
                                   can_accumulate=dtype not in _HALF)
         return Scratch((_elementwise_bytes(args), *held), launches)
+    if name == "embedding":
+        return _embedding(args)
+    if name == "embedding_dense_backward":
+        return _embedding_backward(args)
+    if name == "_scaled_dot_product_efficient_attention_backward":
+        return _efficient_attention_backward(args, card)
     acc = _accumulator_bytes(name, overload, args, kwargs)
     if acc is None or not args or not isinstance(args[0], torch.Tensor):
         return None
@@ -78,6 +100,53 @@ def scratch(func: torch._ops.OpOverload, args: tuple, kwargs: dict, card: Card
                             or (overload == "dim" and name in ("max", "min"))
                             or (t.dtype in _HALF and out_dtype in _HALF)))
     return Scratch(held, launches) if held or launches else None
+
+
+def _embedding(args: tuple) -> Scratch | None:
+    """``embedding(weight, indices)``: the flattened copy of indices that are not
+    contiguous, freed once the rows are gathered."""
+    indices = args[1]
+    if indices.is_contiguous():
+        return None
+    return Scratch((), ((indices.numel() * indices.element_size(),),))
+
+
+def _embedding_backward(args: tuple) -> Scratch | None:
+    """``embedding_dense_backward(grad, indices, num_weights, padding_idx, by_freq)``
+    on the sorting path: its index buffers, held to the end, and the range, the unique
+    keys' copy and the per-segment gradient, each freed at once."""
+    grad, indices, num_weights = args[0], args[1], args[2]
+    n, index = indices.numel(), indices.element_size()
+    by_freq = len(args) > 4 and bool(args[4])
+    if n <= _SORTED_BACKWARD and not by_freq:
+        return None
+    rows = min(n, num_weights)
+    partial = n // 10 + rows
+    acc = 8 if grad.dtype == torch.float64 else 4
+    copied = () if indices.is_contiguous() else (n * index,)
+    held = (*copied, n * index, n * index,  # the sorted indices and their positions
+            n * index, 8,  # segment offsets and their count
+            rows * index, rows * index, 8,  # partials per segment, their offsets, count
+            partial * index)  # partial segment offsets
+    launches = ((n * index,), (n * index,), (partial * grad.shape[-1] * acc,))
+    return Scratch(held, launches)
+
+
+def _efficient_attention_backward(args: tuple, card: Card) -> Scratch:
+    """``_scaled_dot_product_efficient_attention_backward(grad_out, q, k, v, ...)``, its
+    tensors (B, H, M, D): ``delta`` and, for fp32, its product and sum and the dQ
+    accumulator; the gradients are its outputs."""
+    query, value = args[1], args[3]
+    batch, heads, rows, dim = query.shape
+    delta = batch * heads * rows * 4
+    if query.dtype != torch.float32:
+        return Scratch((delta,))
+    product = batch * rows * heads * value.shape[-1] * 4
+    launches: tuple[tuple[int, ...], ...] = ((product, delta),)  # freed: the sum, the product
+    if dim <= 64 and card.capability >= (7, 0):  # keys split: dQ accumulates in tiles
+        tiles = -(-rows // 64) * -(-dim // 64) * (64 * 64 + 4)
+        launches += ((batch * heads * (-(-tiles // 4) * 4) * 4,),)
+    return Scratch((delta,), launches)
 
 
 def _accumulator_bytes(name: str, overload: str, args: tuple, kwargs: dict) -> int | None:
