@@ -184,3 +184,20 @@ def test_aten_reductions_reach_the_port_with_their_dims():
     welford = scratch(aten.var.default, (grad, True), {}, h200)
     assert welford is not None and len(welford.launches) == len(whole.launches)
     assert scratch(aten.relu.default, (grad,), {}, h200) is None  # not a reduction
+
+
+def test_attention_backwards_request_their_scratch():
+    from memprof.collect.virtual.cards import parse_spec
+    from memprof.collect.virtual.kernel_memory import scratch
+
+    h200, aten = parse_spec("H200"), torch.ops.aten
+    # GPT-2 small's attention at batch 8: (B, H, S, D) = (8, 12, 1000, 80)
+    q = torch.empty(8, 12, 1000, 80, device="meta", dtype=torch.bfloat16)
+    flash = scratch(aten._scaled_dot_product_flash_attention_backward.default,
+                    (q, q, q, q, q), {}, h200)
+    # softmax_d over 1024 rows (1000 rounded to 128); dQ's accumulator with D rounded to 96
+    assert flash.held == (8 * 12 * 1024 * 4,)
+    assert flash.launches == ((8 * 1024 * 12 * 96 * 4,),)
+    efficient = scratch(aten._scaled_dot_product_efficient_attention_backward.default,
+                        (q, q, q, q, None, q), {}, h200)
+    assert efficient.held == (8 * 12 * 1000 * 4,) and efficient.launches == ()  # 16-bit

@@ -29,6 +29,11 @@ torch 2.11.0+cu130):
   64 x 64 tiles for fp32 heads of up to 64 (``cutlassB.h``'s first fit): B x H x
   ceil(M / 64) x ceil(D / 64) x (64 x 64 + 4) floats, 24 MiB per GPT-2-small layer; other
   kernels' tiles are not modelled.
+- **Flash attention's backward** (FA2's ``mha_bwd`` in ``flash_api.cpp``, read, not seen
+  on a card: the H200's torch 2.11 ran cuDNN's attention, whose one block, dQ's
+  accumulator and the softmax sums, is as large) holds ``softmax_d``, fp32 (B, H,
+  round128(S)), and accumulates dQ in fp32 (B, round128(S), H, D rounded to 32, or to 64
+  above 128), freed in reverse when it returns.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ _HALF = (torch.float16, torch.bfloat16)
 # every op name ``scratch`` looks at: the rest pass by at the cost of a set lookup
 NAMES = frozenset({*_OPMATH, *_INPUT_TYPE, *_PAIRED, *_WELFORD, *_BOOLEAN, "max", "min",
                    "mse_loss", "embedding", "embedding_dense_backward",
-                   "_scaled_dot_product_efficient_attention_backward"})
+                   "_scaled_dot_product_efficient_attention_backward",
+                   "_scaled_dot_product_flash_attention_backward"})
 _SORTED_BACKWARD = 3072  # more indices than this: embedding_dense_backward sorts them
 
 
@@ -88,6 +94,8 @@ def scratch(func: torch._ops.OpOverload, args: tuple, kwargs: dict, card: Card
         return _embedding_backward(args)
     if name == "_scaled_dot_product_efficient_attention_backward":
         return _efficient_attention_backward(args, card)
+    if name == "_scaled_dot_product_flash_attention_backward":
+        return _flash_attention_backward(args)
     acc = _accumulator_bytes(name, overload, args, kwargs)
     if acc is None or not args or not isinstance(args[0], torch.Tensor):
         return None
@@ -147,6 +155,16 @@ def _efficient_attention_backward(args: tuple, card: Card) -> Scratch:
         tiles = -(-rows // 64) * -(-dim // 64) * (64 * 64 + 4)
         launches += ((batch * heads * (-(-tiles // 4) * 4) * 4,),)
     return Scratch((delta,), launches)
+
+
+def _flash_attention_backward(args: tuple) -> Scratch:
+    """``_scaled_dot_product_flash_attention_backward(grad_out, q, ...)``, q (B, H, S, D):
+    ``softmax_d`` held, dQ's accumulator freed first."""
+    batch, heads, rows, dim = args[1].shape
+    rows = -(-rows // 128) * 128
+    step = 32 if dim <= 128 else 64
+    dim = -(-dim // step) * step
+    return Scratch((batch * heads * rows * 4,), ((batch * rows * heads * dim * 4,),))
 
 
 def _accumulator_bytes(name: str, overload: str, args: tuple, kwargs: dict) -> int | None:
