@@ -158,8 +158,9 @@ backward requests 0.7-1.3 MB blocks that open a 20 MiB segment) and attention ke
 scratch (`transformer_real_bf16` ran on cuDNN's attention, where the virtual GPU picks
 flash: two 8-byte blocks per forward and 256 bytes briefly, where flash keeps a 16- and
 an 8-byte block; in backward one 24 MiB fp32 block, freed at once, where flash's model
-makes a 24 MiB and a 384 KiB one; it did not reach the peak). In the fp32 GPT-2-small run every request is predicted, size for size, but the 9
-of CUB's temporary storage inside the embedding backward.
+makes a 24 MiB and a 384 KiB one; it did not reach the peak). In the fp32 GPT-2-small
+run every request is predicted, size for size, but the 9 of CUB's temporary storage
+inside the embedding backward.
 """
     header = ["run", "command", "card allocated", "predicted", "error", "card reserved",
               "predicted", "error", "context MiB"]
