@@ -24,7 +24,7 @@ from typing import Any
 
 from measure import RESULTS, table_text, write_text
 
-from memprof.collect.virtual.workspaces import unified_by_default
+from memprof.collect.virtual.workspaces import unified_setting
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
@@ -36,8 +36,8 @@ def predict(run: str, counters: dict[str, Any], tmp: Path) -> dict[str, Any]:
     """``memprof run --virtual-gpu`` of the command the card ran: the predicted peaks,
     with cuBLASLt's workspace kept as the card's torch kept it (apart up to 2.11)."""
     out = tmp / run
-    apart = not unified_by_default(counters["torch_version"])
-    env = {**os.environ, "TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0" if apart else "1"}
+    env = {**os.environ,
+           "TORCH_CUBLASLT_UNIFIED_WORKSPACE": unified_setting(counters["torch_version"])}
     subprocess.run([sys.executable, "-m", "memprof", "run", "--virtual-gpu",
                     counters["memprof_run"]["name"], "--no-timeline", "-o", str(out),
                     *counters["command"][2:]], cwd=ROOT, env=env, capture_output=True,

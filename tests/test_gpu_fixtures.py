@@ -19,7 +19,7 @@ from test_run_cli import Result, block, load_sample, run_python
 from memprof.analysis.explain import explain
 from memprof.collect.virtual.cards import parse_spec
 from memprof.collect.virtual.recorder import format_size
-from memprof.collect.virtual.workspaces import unified_by_default
+from memprof.collect.virtual.workspaces import unified_setting
 from memprof.trace import load_snapshot
 
 RUNS = sorted(p.name for p in GPU_FIXTURES.iterdir() if (p / "counters.json").is_file())
@@ -30,8 +30,7 @@ def as_recorded(run: str) -> dict[str, str]:
     """The environment that makes this torch keep the cuBLASLt workspace as the card's
     torch did: 2.11 kept it apart, 2.12 and later share the cuBLAS one unless told not to."""
     recorded = json.loads((GPU_FIXTURES / run / "counters.json").read_text())["torch_version"]
-    apart = not unified_by_default(recorded)
-    return {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0" if apart else "1"}
+    return {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": unified_setting(recorded)}
 
 
 def counters(run: str) -> dict:

@@ -122,6 +122,7 @@ class VirtualRecorder(StorageTracker):
             held.pop()
 
     def _scratch_block(self, size: int) -> VirtualTensor:
+        """A recorded block of ``size`` bytes that no tensor of the script holds."""
         with torch._C.DisableTorchFunction():
             block = VirtualTensor(torch.empty(size, dtype=torch.uint8, device="meta"))
         self._record(block, None, (), {})
@@ -134,10 +135,8 @@ class VirtualRecorder(StorageTracker):
         backward = torch._C._current_graph_task_id() != -1
         for size in self._workspaces.allocations_for(
                 op, "backward" if backward else threading.get_ident(), 0, args, kwargs):
-            with torch._C.DisableTorchFunction():
-                workspace = VirtualTensor(torch.empty(size, dtype=torch.uint8, device="meta"))
+            workspace = self._scratch_block(size)
             self._held.append(workspace)
-            self._record(workspace, None, (), {})
             for e in self.alloc_events(workspace):  # the library's, not the running module's
                 self.known[id(e)] = WORKSPACE
                 self.modules.pop(id(e), None)

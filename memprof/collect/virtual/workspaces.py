@@ -129,6 +129,12 @@ def cublaslt_workspace_bytes(cublas_bytes: int, size_kib: str | None = None,
     return min(kib * 1024, cublas_bytes)
 
 
+def unified_setting(torch_version: str) -> str:
+    """The ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` that makes any torch keep cuBLASLt's
+    workspace as ``torch_version`` does by default (to predict a run it recorded)."""
+    return "1" if unified_by_default(torch_version) else "0"
+
+
 def unified_by_default(torch_version: str) -> bool:
     """Whether an unset ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` shares the cuBLAS workspace:
     from torch 2.12 (pytorch#175879 made the allocation follow the size parsing, which
