@@ -3,11 +3,13 @@ their READMEs run them on a CPU: nanoGPT's train.py (the Shakespeare-character c
 the README's CPU size) and minGPT's projects/chargpt.
 
 Whole commands (start-up, analysis and the run folder included) and each script's own
-per-iteration times, as it prints them: the whole command carries memprof's fixed cost,
-which a short run feels and a long one does not; an iteration's time is the recording's
-cost alone. The floor of that cost is the script's iterations under a dispatch mode that
+per-iteration times, as it prints them, for the exact recorder and for ``--light`` (the CPU
+allocator's events and role hooks, no dispatch mode): the whole command carries memprof's
+fixed cost, which a short run feels and a long one does not; an iteration's time is the
+recording's cost alone. The floor of that cost is the script's iterations under a dispatch mode that
 does nothing (``TorchDispatchMode``, as the CPU recorder is one): every operator's trip
-through Python. The runs alternate, python, memprof, the bare mode, three times.
+through Python. The runs alternate, python, memprof, memprof --light, the bare mode, three
+times.
 
 The scripts are not part of memprof: fetch them (github:karpathy/nanoGPT,
 github:karpathy/minGPT) and pass the checkouts. Their data is synthetic, made here in a
@@ -107,33 +109,36 @@ def mingpt(checkout: Path, iters: int, tmp: Path) -> Workload:
 
 
 def measure(workload: Workload, tmp: Path) -> list[str]:
-    """A table row: whole commands and iteration times, python against memprof."""
-    plain_cmd = [sys.executable, *workload.argv]
+    """A table row: whole commands and iteration times, python against memprof (the exact
+    recorder and ``--light``) and a bare dispatch mode."""
     memprof_cmd = [sys.executable, "-m", "memprof", "run", "--device", "cpu", "--force", "-o",
-                   str(tmp / "run"), *workload.argv]
-    bare_cmd = [sys.executable, "-c", BARE_MODE, *workload.argv]
+                   str(tmp / "run")]
+    commands = {"python": [sys.executable, *workload.argv],
+                "memprof": [*memprof_cmd, *workload.argv],
+                "light": [*memprof_cmd, "--light", *workload.argv],
+                "bare": [sys.executable, "-c", BARE_MODE, *workload.argv]}
     saved = dict(os.environ)
     os.environ.update(workload.env)
     try:
-        run(plain_cmd, workload.cwd)  # warm the file cache and the imports
-        runs: dict[str, list[Run]] = {"python": [], "memprof": [], "bare": []}
-        iterations: dict[str, list[float]] = {"python": [], "memprof": [], "bare": []}
+        run(commands["python"], workload.cwd)  # warm the file cache and the imports
+        runs: dict[str, list[Run]] = {key: [] for key in commands}
+        iterations: dict[str, list[float]] = {key: [] for key in commands}
         for _ in range(REPEAT):
-            for key, cmd in (("python", plain_cmd), ("memprof", memprof_cmd),
-                             ("bare", bare_cmd)):
+            for key, cmd in commands.items():
                 out = tmp / f"{key}.out"
                 runs[key].append(run(cmd, workload.cwd, stdout=out))
                 iterations[key] += workload.iteration_ms(out.read_text())
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    plain, profiled, bare = (statistics.median(r.seconds for r in runs[k]) for k in runs)
-    plain_cpu, profiled_cpu, _ = (statistics.median(r.cpu_seconds for r in runs[k])
-                                  for k in runs)
-    plain_it, profiled_it, bare_it = (statistics.median(iterations[k]) for k in iterations)
-    return [workload.name, f"{plain:.2f}", f"{profiled:.2f}", f"{profiled / plain:.2f}",
-            f"{profiled_cpu / plain_cpu:.2f}", f"{bare / plain:.2f}", f"{plain_it:.1f}",
-            f"{profiled_it:.1f}", f"{profiled_it / plain_it:.2f}", f"{bare_it / plain_it:.2f}"]
+    whole = {k: statistics.median(r.seconds for r in runs[k]) for k in runs}
+    cpu = {k: statistics.median(r.cpu_seconds for r in runs[k]) for k in runs}
+    it = {k: statistics.median(iterations[k]) for k in iterations}
+    return [workload.name, f"{whole['python']:.2f}", f"{whole['memprof']:.2f}",
+            f"{whole['memprof'] / whole['python']:.2f}", f"{cpu['memprof'] / cpu['python']:.2f}",
+            f"{whole['light'] / whole['python']:.2f}", f"{whole['bare'] / whole['python']:.2f}",
+            f"{it['python']:.1f}", f"{it['memprof']:.1f}", f"{it['memprof'] / it['python']:.2f}",
+            f"{it['light'] / it['python']:.2f}", f"{it['bare'] / it['python']:.2f}"]
 
 
 def main() -> None:
@@ -153,15 +158,17 @@ def main() -> None:
         for workload in workloads:
             rows.append(measure(workload, tmp))
     write_table("real_scripts", ["script", "python s", "memprof s", "time ratio",
-                                 "CPU time ratio", "time ratio, a bare dispatch mode",
-                                 "iteration ms (python)",
+                                 "CPU time ratio", "time ratio, --light",
+                                 "time ratio, a bare dispatch mode", "iteration ms (python)",
                                  "iteration ms (memprof)", "iteration ratio",
+                                 "iteration ratio, --light",
                                  "iteration ratio, a bare dispatch mode"], rows,
-                "Whole commands in fresh processes (OMP_NUM_THREADS=1), python and memprof"
-                " alternating, medians of three; CPU time is user + system. Iteration times"
+                "Whole commands in fresh processes (OMP_NUM_THREADS=1), python, memprof,"
+                " memprof --light and a bare dispatch mode alternating, medians of three; CPU"
+                " time is user + system. Iteration times"
                 f" are the scripts' own, from iteration {WARM_UP} on, medians over the three"
                 " runs: the recording's cost with no start-up or analysis in it; a bare"
-                " dispatch mode's iterations are its floor. Synthetic"
+                " dispatch mode's iterations are the exact recorder's floor. Synthetic"
                 f" data; fetched checkouts, not part of memprof. Target: 1.3x. {machine()}.")
 
 

@@ -139,10 +139,12 @@ def job(fn: Job) -> Job:
     return fn
 
 
-def _sample(where: Path, script: str, *args: str) -> tuple[Result, Path]:
-    """A sample under ``memprof run``, both on the CPU whether or not there is a GPU."""
+def _sample(where: Path, script: str, *args: str, options: Sequence[str] = ()
+            ) -> tuple[Result, Path]:
+    """A sample under ``memprof run`` (with memprof's ``options``), both on the CPU whether
+    or not there is a GPU."""
     out = where / "out"
-    return memprof_run(where, "-o", out, "--device", "cpu", SAMPLES / script, *args,
+    return memprof_run(where, "-o", out, "--device", "cpu", *options, SAMPLES / script, *args,
                        "--device", "cpu"), out
 
 
@@ -158,6 +160,11 @@ def ddp(where: Path) -> tuple[Result, Path]:
 @job
 def mlp(where: Path) -> tuple[Result, Path]:
     return _sample(where, "mlp_adam.py", *flags(MLP))
+
+
+@job
+def mlp_light(where: Path) -> tuple[Result, Path]:
+    return _sample(where, "mlp_adam.py", *flags(MLP), options=["--light"])
 
 
 @job
@@ -272,7 +279,8 @@ def sample_report(runs: dict[str, Future[Any]], name: str) -> dict[str, Any]:
 # --- the samples: exact numbers ---------------------------------------------------------
 
 
-def test_mlp_model_state_is_exact(runs: dict[str, Future[Any]]) -> None:
+def mlp_model_state() -> dict[str, int]:
+    """The MLP sample's parameter, gradient and Adam state bytes, as CUDA blocks."""
     mlp_adam = load_sample("mlp_adam")
     model = mlp_adam.build_model(MLP["hidden"], MLP["layers"])
     params = list(model.parameters())
@@ -284,27 +292,49 @@ def test_mlp_model_state_is_exact(runs: dict[str, Future[Any]]) -> None:
     param_bytes = sum(block(p.numel() * F32) for p in params)
     step_bytes = sum(block(t.nbytes) for s in optimizer.state.values() for t in [s["step"]])
     assert param_bytes != F32 * sum(p.numel() for p in params)  # the rounding matters here
-
-    device = sample_report(runs, "mlp")["devices"][0]
-    assert device["categories_inferred"] is False
     expected = {"parameters": param_bytes, "gradients": param_bytes,
                 "optimizer_state": 2 * param_bytes + step_bytes}
-    assert {k: device["categories"][k] for k in expected} == expected  # at the peak
-    assert {k: device["category_peaks"][k] for k in expected} == expected
     assert sum(block(t.nbytes) for t in state) == expected["optimizer_state"]
+    return expected
 
 
-def test_mlp_activation_peak_is_what_autograd_saves(runs: dict[str, Future[Any]]) -> None:
-    # The first Linear saves its input; each ReLU saves its output, which the next Linear
-    # saves too (one storage); mse_loss saves the prediction and the target. The weights
-    # Linear saves are parameters.
+def mlp_saved_activations() -> int:
+    """What autograd saves in the MLP sample's forward. The first Linear saves its input;
+    each ReLU saves its output, which the next Linear saves too (one storage); mse_loss
+    saves the prediction and the target. The weights Linear saves are parameters."""
     width, batch, layers = MLP["hidden"], MLP["batch"], MLP["layers"]
     mlp_adam = load_sample("mlp_adam")
-    expected = (block(batch * mlp_adam.IN_FEATURES * F32) + layers * block(batch * width * F32)
-                + 2 * block(batch * mlp_adam.OUT_FEATURES * F32))
-    device = sample_report(runs, "mlp")["devices"][0]
-    assert device["category_peaks"]["activations"] == expected
+    return (block(batch * mlp_adam.IN_FEATURES * F32) + layers * block(batch * width * F32)
+            + 2 * block(batch * mlp_adam.OUT_FEATURES * F32))
+
+
+@pytest.mark.parametrize("run", ["mlp", "mlp_light"])
+def test_mlp_model_state_is_exact(runs: dict[str, Future[Any]], run: str) -> None:
+    expected = mlp_model_state()
+    device = sample_report(runs, run)["devices"][0]
+    assert device["categories_inferred"] is False
+    assert {k: device["categories"][k] for k in expected} == expected  # at the peak
+    assert {k: device["category_peaks"][k] for k in expected} == expected
+
+
+@pytest.mark.parametrize("run", ["mlp", "mlp_light"])
+def test_mlp_activation_peak_is_what_autograd_saves(runs: dict[str, Future[Any]],
+                                                    run: str) -> None:
+    device = sample_report(runs, run)["devices"][0]
+    assert device["category_peaks"]["activations"] == mlp_saved_activations()
     assert len(device["steps"]) == MLP["steps"]
+
+
+def test_light_run_says_so_and_prints_nothing_of_the_profiler(
+        runs: dict[str, Future[Any]]) -> None:
+    result, out = runs["mlp_light"].result()
+    plain = runs["mlp"].result()[0]
+    assert result.code == 0 and result.stdout == plain.stdout
+    assert "cpu, light" in result.stderr
+    for noise in ("USDT", "profiler_start", "collection.cpp", "reassociate"):
+        assert noise not in result.stderr
+    with open(out / "snapshot.pickle", "rb") as f:
+        assert pickle.load(f)["memprof"]["recorder"] == "cpu-light"
 
 
 def test_mlp_is_not_flagged_as_a_leak(runs: dict[str, Future[Any]]) -> None:
@@ -492,9 +522,19 @@ def test_oom_sample_reports_the_failed_request(tmp_path: Path) -> None:
     assert (out / "oom-snapshot.pickle").is_file()
 
 
+@pytest.mark.parametrize("options", [[], ["--device", "auto"], ["--device", "cpu", "--profile"],
+                                     ["--device", "cpu", "--virtual-gpu", "T4"]])
+def test_light_is_refused_off_the_cpu_path(tmp_path: Path, options: list[str]) -> None:
+    (tmp_path / "train.py").write_text("raise SystemExit('the script must not run')\n")
+    result = memprof_run(tmp_path, "--light", *options, "-o", tmp_path / "out", "train.py")
+    assert result.code == 2 and result.stdout == ""
+    assert result.stderr.startswith("memprof: error: --light") and "--device cpu" in result.stderr
+    assert result.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("command, switches", [
     ([], ["--version"]),
-    (["run"], ["--force", "--profile"]),
+    (["run"], ["--force", "--profile", "--light"]),
     (["explain"], ["--json", "--plot", "--force"]),
     (["check"], ["--allow-different", "--update-baseline"]),
     (["suggest"], ["--verify", "--json"]),

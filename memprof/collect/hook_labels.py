@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from memprof.trace.events import ACTION, ADDR, SIZE, TraceEvent
 from memprof.trace.model import (
     ACTIVATIONS,
     CATEGORIES,
@@ -56,6 +57,18 @@ class Blocks:
     ends: list[float] = field(default_factory=list)  # free time; inf while never freed
 
 
+def fields(event: Event | TraceEvent) -> tuple[str, int, int]:
+    """An event's action, address and size: a snapshot's dict or a recorder's tuple."""
+    if type(event) is tuple:
+        return event[ACTION], event[ADDR], event[SIZE]
+    return event["action"], event["addr"], event["size"]
+
+
+def action_of(event: Event | TraceEvent) -> str:
+    """An event's action: a snapshot's dict or a recorder's tuple."""
+    return event[ACTION] if type(event) is tuple else event["action"]
+
+
 def event_times(trace: Sequence[Event]) -> list[int]:
     """The allocator's clock: each event's ``time_us``."""
     return [e.get("time_us", 0) for e in trace]
@@ -74,15 +87,16 @@ def sequence_clock(events: Sequence[Event]) -> Callable[[], int]:
 
 
 def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
-                times: Sequence[int] | None = None,
-                workspaces: tuple[int, int] = (0, 0)) -> list[list[Any]]:
+                times: Sequence[int] | None = None, workspaces: tuple[int, int] = (0, 0),
+                blocks: dict[int, Blocks] | None = None) -> list[list[Any]]:
     """``[event_index, category]`` for every alloc event of ``trace``: the first in
     ``CATEGORIES`` order among its sightings; unseen, ``temporaries`` if the trace frees
     it, ``workspace`` if it is a BLAS library's (``workspaces``: the cuBLAS and the
     separate cuBLASLt workspace's bytes, ``blas_workspace_sizes``) and ``other`` if not.
-    ``times``: the clock the sightings used (``event_times`` by default)."""
-    times = event_times(trace) if times is None else times
-    blocks = blocks_by_address(trace, times)
+    ``times``: the clock the sightings used (``event_times`` by default); ``blocks``: the
+    trace's ``blocks_by_address``, if made."""
+    if blocks is None:
+        blocks = blocks_by_address(trace, event_times(trace) if times is None else times)
     best: dict[int, str] = {}
     for seen in sightings:
         here = blocks.get(seen.addr)
@@ -97,7 +111,7 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
     previous: Event | None = None  # the alloc before, and whether it was a workspace
     was_workspace = False
     for i, e in enumerate(trace):
-        if e["action"] != "alloc":
+        if action_of(e) != "alloc":
             continue
         category = best.get(i, TEMPORARIES if i in freed else OTHER)
         if category == OTHER and _is_workspace(e, previous, was_workspace, workspaces):
@@ -122,11 +136,13 @@ def _is_workspace(alloc: Event, previous: Event | None, after_workspace: bool,
 
 
 def tag_trace(trace: Sequence[Event], tags: Sequence[Sighting], labels: Sequence[Sequence[Any]],
-              times: Sequence[int] | None = None) -> list[list[Any]]:
+              times: Sequence[int] | None = None,
+              blocks: dict[int, Blocks] | None = None) -> list[list[Any]]:
     """``[event_index, EVAL_ACTIVATIONS]`` for every alloc labelled ``activations`` (in
     ``labels``) that an eval-mode forward saved (a sighting ``EVAL_ACTIVATIONS`` in
     ``tags``) and no backward read (no sighting ``READ``)."""
-    blocks = blocks_by_address(trace, event_times(trace) if times is None else times)
+    if blocks is None:
+        blocks = blocks_by_address(trace, event_times(trace) if times is None else times)
     saved: set[int | None] = set()
     read: set[int | None] = set()
     for seen in tags:
@@ -147,15 +163,15 @@ def blocks_by_address(trace: Sequence[Event], times: Sequence[int]) -> dict[int,
     """The allocs of ``trace`` at each address, with their times, sizes and ends."""
     by_addr: dict[int, Blocks] = {}
     for i, e in enumerate(trace):
-        action = e["action"]
+        action, addr, size = fields(e)
         if action == "alloc":
-            b = by_addr.setdefault(e["addr"], Blocks())
+            b = by_addr.setdefault(addr, Blocks())
             b.times.append(times[i])
             b.events.append(i)
-            b.sizes.append(e["size"])
+            b.sizes.append(size)
             b.ends.append(_NEVER)
         elif action in _FREES:  # the first of the two ends the block's life
-            b = by_addr.get(e["addr"])
+            b = by_addr.get(addr)
             if b is not None and b.ends and b.ends[-1] == _NEVER:
                 b.ends[-1] = times[i]
     return by_addr

@@ -23,7 +23,14 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from memprof.collect.hook_labels import Event, blocks_by_address, event_times, live_alloc
+from memprof.collect.hook_labels import (
+    Blocks,
+    Event,
+    action_of,
+    blocks_by_address,
+    event_times,
+    live_alloc,
+)
 
 
 class Mark(NamedTuple):
@@ -44,18 +51,19 @@ class Owner(NamedTuple):
 
 
 def module_trace(trace: Sequence[Event], marks: Sequence[Mark], owners: Sequence[Owner],
-                 times: Sequence[int] | None = None) -> list[list[Any]]:
+                 times: Sequence[int] | None = None,
+                 blocks: dict[int, Blocks] | None = None) -> list[list[Any]]:
     """``[event_index, path]`` for every alloc event of ``trace`` made inside a module or
     holding a module's own parameter or buffer; ``times``: the clock of the marks
-    (``event_times`` by default)."""
+    (``event_times`` by default); ``blocks``: the trace's ``blocks_by_address``, if made."""
     times = event_times(trace) if times is None else times
     marks = sorted(marks, key=lambda m: m.at)  # threads append in their own order
     starts = [m.at for m in marks]
     paths: dict[int, str] = {}
     for i, e in enumerate(trace):
-        if e["action"] == "alloc" and (path := _running(marks, starts, times[i])) is not None:
+        if action_of(e) == "alloc" and (path := _running(marks, starts, times[i])) is not None:
             paths[i] = path
-    blocks = blocks_by_address(trace, times)
+    blocks = blocks_by_address(trace, times) if blocks is None else blocks
     for owner in owners:
         here = blocks.get(owner.addr)
         index = live_alloc(here, owner.at, owner.nbytes) if here is not None else None

@@ -28,6 +28,7 @@ from memprof.collect.hook_labels import (
     READ,
     Event,
     Sighting,
+    blocks_by_address,
     event_times,
     label_trace,
     step_ends,
@@ -97,17 +98,18 @@ class HookLabeller(RoleHooks):
         ``times`` on this labeller's clock (their ``time_us`` by default); ``workspaces``:
         the BLAS workspaces' sizes (``label_trace``)."""
         times = event_times(trace) if times is None else times
-        labels = label_trace(trace, self.sightings, times, workspaces)
+        blocks = blocks_by_address(trace, times)
+        labels = label_trace(trace, self.sightings, times, workspaces, blocks)
         library = {i for i, category in labels if category == WORKSPACE}  # not the module's
         return {
             "version": SNAPSHOT_VERSION,
             "recorder": "cuda",
             "complete": False,
             "labels": labels,
-            "tags": tag_trace(trace, self.tags, labels, times),
+            "tags": tag_trace(trace, self.tags, labels, times, blocks),
             "steps": step_ends(times, self.steps),
             "model": self.model,
-            "modules": [m for m in module_trace(trace, self.marks, self.owners, times)
+            "modules": [m for m in module_trace(trace, self.marks, self.owners, times, blocks)
                         if m[0] not in library],
             "model_files": sorted(self._stack.files),
         }
