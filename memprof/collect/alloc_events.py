@@ -35,6 +35,11 @@ class AllocatorEvents:
     def __init__(self) -> None:
         self._on = False
 
+    @property
+    def recording(self) -> bool:
+        """Whether ``start`` was called and ``stop`` not yet."""
+        return self._on
+
     def start(self) -> None:
         """Turn the profiler's memory reporting on (and nothing else)."""
         import torch
@@ -77,20 +82,22 @@ class AllocatorEvents:
                                " recording (both need it); run without --light")
         with quiet_stderr():
             nodes = _disable_profiler().experimental_event_tree()
-        fields = [node.extra_fields for node in nodes]
-        reported = sorted([  # threads' queues come one after another
-            (node.start_time_ns, f.ptr, f.alloc_size)
-            for node, f in zip(nodes, fields, strict=True)
-            if f.alloc_size and f.device.type == "cpu"], key=itemgetter(0))
-        del nodes, fields
+        # one pass, attributes read once: a long run reports millions of events
+        reported = [(node.start_time_ns, (f := node.extra_fields).ptr, f.alloc_size, f.device)
+                    for node in nodes]
+        del nodes
+        if torch.cuda.is_initialized():  # the CUDA allocator reports to the profiler too
+            reported = [r for r in reported if r[3].type == "cpu"]
+        reported.sort(key=itemgetter(0))  # threads' queues come one after another
         return _trace(reported)
 
 
-def _trace(reported: list[tuple[int, int, int]]) -> tuple[list[TraceEvent], list[int]]:
+def _trace(reported: list[tuple[int, int, int, object]]
+           ) -> tuple[list[TraceEvent], list[int]]:
     trace: list[TraceEvent] = []
     times: list[int] = []
     live: dict[int, int] = {}
-    for at, ptr, nbytes in reported:
+    for at, ptr, nbytes, _ in reported:
         if nbytes > 0:
             live[ptr] = nbytes
             trace.append(("alloc", ptr, nbytes, 0, at // 1000, _NO_STACK))
