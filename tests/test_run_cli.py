@@ -127,6 +127,18 @@ def outer():
 outer()
 """
 
+# an operator's own error: under a dispatch mode its Python call stack is memprof's and torch's
+BAD_MATMUL = """\
+import torch
+
+
+def inner(device):
+    return torch.ones(2, device=device) @ torch.ones(3, device=device)
+
+
+inner("DEVICE")
+"""
+
 # --- the runs: each job gets an empty folder and returns what its tests read -------------
 
 Job = Callable[[Path], Any]
@@ -208,6 +220,19 @@ def raises(where: Path) -> tuple[Result, Path, Result]:
     (where / "boom.py").write_text(BOOM)
     return (memprof_run(where, "-o", where / "out", "boom.py"), where / "out",
             run_python(["boom.py"], where))
+
+
+@job
+def raises_in_operator(where: Path) -> dict[str, Result]:
+    # not cpu.py and cuda.py: the script's folder comes first on sys.path, and a library
+    # that tries `import cuda` would run it
+    (where / "on_cpu.py").write_text(BAD_MATMUL.replace("DEVICE", "cpu"))
+    (where / "on_cuda.py").write_text(BAD_MATMUL.replace("DEVICE", "cuda"))
+    return {"python": run_python(["on_cpu.py"], where),
+            "cpu": memprof_run(where, "--device", "cpu", "-o", where / "a", "on_cpu.py"),
+            "virtual": memprof_run(where, "--virtual-gpu", "T4", "-o", where / "b",
+                                   "on_cpu.py"),
+            "cuda": memprof_run(where, "--virtual-gpu", "T4", "-o", where / "c", "on_cuda.py")}
 
 
 def _package(where: Path) -> tuple[Path, dict[str, str]]:
@@ -451,6 +476,28 @@ def test_an_exception_exits_1_with_the_users_traceback(runs: dict[str, Future[An
     assert not any(f.is_relative_to(PACKAGE) or f.name == "runpy.py" for f, _, _ in frames)
     assert frames == _frames(plain.stderr, out.parent)  # the frames Python itself shows
     assert report(out)["run"]["exit"] == {"status": "raised", "code": 1, "error": last}
+
+
+def test_an_operators_error_shows_the_frames_python_shows(runs: dict[str, Future[Any]]
+                                                         ) -> None:
+    # the CPU recorder's and the virtual GPU's dispatch modes sit between the script's line
+    # and the operator; a plain run shows neither them nor torch's Python under them
+    results = runs["raises_in_operator"].result()
+    where = Path(results["cpu"].stderr.split('File "')[1].split('"')[0]).parent
+    expected = _frames(results["python"].stderr, where)
+    assert [(f.name, fn) for f, _, fn in expected] == [("on_cpu.py", "<module>"),
+                                                       ("on_cpu.py", "inner")]
+    last = results["python"].stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: inconsistent tensor size")
+    for run in ("cpu", "virtual", "cuda"):
+        result = results[run]
+        assert result.code == 1, result.stderr
+        printed = result.stderr[result.stderr.index("Traceback"):]
+        frames = _frames(printed[:printed.index("RuntimeError: ")], where)
+        assert [(f.name, line, fn) for f, line, fn in frames] == [
+            (f"on_{'cuda' if run == 'cuda' else 'cpu'}.py", line, fn)
+            for _, line, fn in expected]
+        assert "RuntimeError: inconsistent tensor size" in printed
 
 
 def test_a_missing_script_is_one_line_and_exit_2(runs: dict[str, Future[Any]]) -> None:

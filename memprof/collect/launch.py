@@ -5,11 +5,13 @@ from __future__ import annotations
 import builtins
 import importlib.util
 import io
+import itertools
 import os
 import runpy
 import sys
 import traceback
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,15 +129,52 @@ def _exit_outcome(code: object) -> Outcome:
 
 
 def _print_user_traceback(hook_before: object) -> None:
-    """Print the current exception, starting at the first frame outside memprof and runpy,
-    with the script's own ``sys.excepthook`` when it set one (not the hook it found)."""
+    """Print the current exception without memprof's frames (``_user_frames``), with the
+    script's own ``sys.excepthook`` when it set one (not the hook it found)."""
     exc_type, exc, tb = sys.exc_info()
-    here = str(Path(__file__).resolve().parent.parent)
-    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here + os.sep)
-                              or tb.tb_frame.f_code.co_filename == runpy.__file__
-                              or "<frozen runpy>" in tb.tb_frame.f_code.co_filename):
-        tb = tb.tb_next
+    tb = _user_frames(tb)
     if sys.excepthook is not hook_before and exc_type is not None:
         sys.excepthook(exc_type, exc, tb)  # type: ignore[arg-type]
     else:
         traceback.print_exception(exc_type, exc, tb)
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` as Python alone would have printed it: from the first frame outside memprof
+    and runpy, and, past a frame of memprof's inside the script (its dispatch mode, or the
+    virtual GPU's), without memprof's frames or torch's under them: the operator's Python
+    implementation there (the mode's call, fake tensors' reference kernels) is C++ in a
+    plain run, which shows no frame. All are kept when memprof's own code raised."""
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    ours = _package_test(Path(__file__).resolve().parent.parent)
+    torch = sys.modules.get("torch")
+    torchs = _package_test(Path(torch.__file__).parent) if torch is not None else ours
+
+    def launcher(t: types.TracebackType) -> bool:
+        name = t.tb_frame.f_code.co_filename
+        return ours(name) or name == runpy.__file__ or "<frozen runpy>" in name
+
+    while frames and launcher(frames[0]):
+        frames.pop(0)
+    if frames and not ours(frames[-1].tb_frame.f_code.co_filename):
+        kept, inside = [], False
+        for t in frames:
+            name = t.tb_frame.f_code.co_filename
+            inside = inside or ours(name)
+            if not (inside and (ours(name) or torchs(name))):
+                kept.append(t)
+        frames = kept
+    for t, after in itertools.pairwise(frames):
+        t.tb_next = after
+    if frames:
+        frames[-1].tb_next = None
+    return frames[0] if frames else None
+
+
+def _package_test(folder: Path) -> Callable[[str], bool]:
+    """Whether a code object's file name is in ``folder``."""
+    prefix = str(folder) + os.sep
+    return lambda name: name.startswith(prefix)
