@@ -38,6 +38,8 @@ props = torch.cuda.get_device_properties(0)
 # a bare device index is CUDA's, as DDP scripts pass their local rank
 assert torch.ones(2).to(0).is_cuda and nn.Linear(2, 2).to(0).weight.is_cuda
 assert torch.ones(2).to(device=0).is_cuda
+assert torch.device(0) == torch.device("cuda", 0)  # torch.device(local_rank)
+assert torch.ones(2, device=torch.device(1)).is_cuda
 torch.cuda.nvtx.range_push("step")
 torch.cuda.nvtx.range_pop()
 pinned = torch.ones(4).pin_memory()

@@ -2,7 +2,8 @@
 
 Factories asked for a CUDA device (``device="cuda"``, ``set_default_device("cuda")``,
 ``nn.Linear(..., device="cuda")``), ``.cuda()`` and ``.to("cuda")`` give virtual CUDA
-tensors; host tensors stay real; ``scaled_dot_product_attention`` runs the card's kernel
+tensors, and a bare index (``torch.device(0)``, ``.to(0)``) names a CUDA device; host
+tensors stay real; ``scaled_dot_product_attention`` runs the card's kernel
 (``attention.py``).
 """
 
@@ -45,6 +46,8 @@ class CudaRouting(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func is torch.device and len(args) == 1 and type(args[0]) is int and not kwargs:
+            return torch.device("cuda", args[0])  # the current accelerator's: a CPU build has none
         if func is torch.Tensor.cuda:
             return _to_cuda(args[0], None)
         if func is torch.Tensor.to:
