@@ -49,6 +49,27 @@ def test_allocations_and_frees_come_in_order_with_their_bytes(capfd) -> None:
     assert capfd.readouterr() == ("", "")
 
 
+def test_each_optimizer_step_drains_the_profiler_and_frees_still_pair(monkeypatch) -> None:
+    taken = []
+    take = AllocatorEvents._take
+    monkeypatch.setattr(AllocatorEvents, "_take", lambda self: taken.append(take(self)))
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    events = AllocatorEvents()
+    events.start()
+    a = torch.empty(1000)
+    weight.grad = torch.ones(4)
+    optimizer.step()
+    assert len(taken) == 1  # drained at the step: the profiler holds no earlier event
+    del a
+    optimizer.step()
+    trace, times = events.stop()
+    assert len(taken) == 3
+    assert [(e[0], e[2]) for e in trace] == [("alloc", 4000), ("alloc", 16),
+                                             ("free_completed", 4000)]
+    assert trace[2][1] == trace[0][1] and times == sorted(times)
+
+
 def test_a_running_profiler_is_refused() -> None:
     with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]),
           pytest.raises(MemprofError, match="already running")):

@@ -20,8 +20,22 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from operator import itemgetter
+
+import torch
+from torch._C._profiler import ProfilerActivity
+from torch.autograd import (
+    ProfilerConfig,
+    ProfilerState,
+    _disable_profiler,
+    _enable_profiler,
+    _prepare_profiler,
+)
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.hooks import RemovableHandle
 
 from memprof.errors import MemprofError
 from memprof.trace.events import TraceEvent
@@ -30,10 +44,23 @@ _NO_STACK = ()
 
 
 class AllocatorEvents:
-    """Record the CPU allocator's events from ``start`` to ``stop``; single use."""
+    """Record the CPU allocator's events from ``start`` to ``stop``; single use.
+
+    At each optimizer step, and at a module's forward once ``DRAIN_S`` have passed, it
+    moves what the profiler holds into its own trace (``drain``): at stop the profiler
+    turns each event into a Kineto activity of about a kilobyte, which a long run's
+    millions of events would otherwise all need at once.
+    """
+
+    DRAIN_S = 0.5
 
     def __init__(self) -> None:
         self._on = False
+        self._hooks: list[RemovableHandle] = []
+        self._due = 0.0  # time.monotonic() of the next drain at a module's forward
+        self._trace: list[TraceEvent] = []
+        self._times: list[int] = []
+        self._live: dict[int, int] = {}  # address -> bytes of the allocations not yet freed
 
     @property
     def recording(self) -> bool:
@@ -42,46 +69,62 @@ class AllocatorEvents:
 
     def start(self) -> None:
         """Turn the profiler's memory reporting on (and nothing else)."""
-        import torch
-        from torch.autograd import (
-            ProfilerConfig,
-            ProfilerState,
-            _enable_profiler,
-            _prepare_profiler,
-        )
-
         if torch.autograd._profiler_enabled():
             raise MemprofError("--light: torch.profiler is already running in this process;"
                                " run without --light")
-        # (state, shapes, memory, stacks, flops, modules): memory alone
-        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False,
-                                torch._C._profiler._ExperimentalConfig())
-        activities = {_no_device_activity()}
         # The allocator logs a warning at the first free of a block it saw no allocation
         # of, and at every thousandth after: this block's free spends that first warning
         # where the script cannot see it.
         before = torch.empty(1)
         with quiet_stderr():
-            _prepare_profiler(config, activities)
-            _enable_profiler(config, activities)
+            _enable()
             del before
         self._on = True
+        self._due = time.monotonic() + self.DRAIN_S
+        self._hooks = [register_optimizer_step_post_hook(lambda *_: self.drain()),
+                       register_module_forward_pre_hook(self._on_forward)]
+
+    def drain(self) -> None:
+        """Take the events reported so far, and go on recording; nothing while the script
+        runs torch.profiler itself (``stop`` then says so)."""
+        if self._on and self._ours():
+            with quiet_stderr():
+                self._take()
+                _enable()
+        self._due = time.monotonic() + self.DRAIN_S
+
+    def _on_forward(self, module: object, args: object) -> None:
+        if time.monotonic() >= self._due and not torch.compiler.is_compiling():
+            self.drain()
 
     def stop(self) -> tuple[list[TraceEvent], list[int]]:
         """Turn the reporting off; the CPU allocations made since ``start`` and their frees,
         in order, and each event's time in ``time.time_ns`` nanoseconds. Frees of storages
         allocated before ``start`` are left out."""
-        import torch
-        from torch.autograd import _disable_profiler
-
         if not self._on:
             raise RuntimeError("stop() needs a started AllocatorEvents")
         self._on = False
-        if not torch.autograd._profiler_enabled():
+        for hook in self._hooks:
+            hook.remove()
+        if not self._ours():
             raise MemprofError("--light: the script ran torch.profiler, which ended memprof's"
                                " recording (both need it); run without --light")
         with quiet_stderr():
-            nodes = _disable_profiler().experimental_event_tree()
+            self._take()
+        trace, times = self._trace, self._times
+        self._trace, self._times, self._live = [], [], {}
+        return trace, times
+
+    @staticmethod
+    def _ours() -> bool:
+        """Whether the profiler running is this recording's: the script's own (torch.profiler
+        and autograd.profiler alike set this flag) ends it."""
+        return (torch.autograd._profiler_enabled()
+                and not torch.autograd.profiler._is_profiler_enabled)
+
+    def _take(self) -> None:
+        """Disable the profiler and append its events to the trace."""
+        nodes = _disable_profiler().experimental_event_tree()
         # one pass, attributes read once: a long run reports millions of events
         reported = [(node.start_time_ns, (f := node.extra_fields).ptr, f.alloc_size, f.device)
                     for node in nodes]
@@ -89,32 +132,28 @@ class AllocatorEvents:
         if torch.cuda.is_initialized():  # the CUDA allocator reports to the profiler too
             reported = [r for r in reported if r[3].type == "cpu"]
         reported.sort(key=itemgetter(0))  # threads' queues come one after another
-        return _trace(reported)
+        trace, times, live = self._trace, self._times, self._live
+        for at, ptr, nbytes, _ in reported:
+            if nbytes > 0:
+                live[ptr] = nbytes
+                trace.append(("alloc", ptr, nbytes, 0, at // 1000, _NO_STACK))
+            elif live.pop(ptr, None) is not None:
+                trace.append(("free_completed", ptr, -nbytes, 0, at // 1000, _NO_STACK))
+            else:
+                continue
+            times.append(at)
 
 
-def _trace(reported: list[tuple[int, int, int, object]]
-           ) -> tuple[list[TraceEvent], list[int]]:
-    trace: list[TraceEvent] = []
-    times: list[int] = []
-    live: dict[int, int] = {}
-    for at, ptr, nbytes, _ in reported:
-        if nbytes > 0:
-            live[ptr] = nbytes
-            trace.append(("alloc", ptr, nbytes, 0, at // 1000, _NO_STACK))
-        elif live.pop(ptr, None) is not None:
-            trace.append(("free_completed", ptr, -nbytes, 0, at // 1000, _NO_STACK))
-        else:
-            continue
-        times.append(at)
-    return trace, times
-
-
-def _no_device_activity() -> object:
-    """An activity the profiler must be given, of a device this process has none of: MTIA's
-    (Meta's accelerator), so that no device tracer (CUPTI, a PrivateUse1 backend's) starts."""
-    from torch._C._profiler import ProfilerActivity
-
-    return ProfilerActivity.MTIA
+def _enable() -> None:
+    """Turn on the profiler's memory reporting, with no operator events."""
+    # (state, shapes, memory, stacks, flops, modules): memory alone
+    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False,
+                            torch._C._profiler._ExperimentalConfig())
+    # a device this process has none of (Meta's accelerator): no device tracer (CUPTI, a
+    # PrivateUse1 backend's) starts
+    activities = {ProfilerActivity.MTIA}
+    _prepare_profiler(config, activities)
+    _enable_profiler(config, activities)
 
 
 @contextlib.contextmanager
