@@ -4,6 +4,8 @@ labelled by the role hooks, checked against the exact recorder on the samples.""
 from __future__ import annotations
 
 import time
+import warnings
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +70,31 @@ def test_each_optimizer_step_drains_the_profiler_and_frees_still_pair(monkeypatc
     assert [(e[0], e[2]) for e in trace] == [("alloc", 4000), ("alloc", 16),
                                              ("free_completed", 4000)]
     assert trace[2][1] == trace[0][1] and times == sorted(times)
+
+
+def test_a_compiled_model_compiles_whole_and_warns_nothing(monkeypatch) -> None:
+    monkeypatch.setattr(AllocatorEvents, "DRAIN_S", 0.0)  # a drain due at every forward
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    compiled = torch.compile(model, backend="aot_eager")
+    events = AllocatorEvents()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning the script would see
+        events.start()
+        with HookLabeller(time.time_ns) as labeller:
+            for _ in range(3):
+                compiled(torch.randn(5, 8)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        trace, times = events.stop()
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert [str(w.message) for w in caught] == []
+    labels = Counter(c for _, c in labeller.labels(trace, times)["labels"])
+    # Adam's two moments and step count per parameter; a gradient per parameter each step
+    assert labels["optimizer_state"] == 3 * 4 and labels["gradients"] == 3 * 4
+    assert labels["activations"] > 0
 
 
 def test_a_running_profiler_is_refused() -> None:

@@ -37,6 +37,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
+from memprof.collect.warning_filters import PROFILER_WITHOUT_OPERATORS, ignore, restore
 from memprof.errors import MemprofError
 from memprof.trace.events import TraceEvent
 
@@ -58,6 +59,7 @@ class AllocatorEvents:
         self._on = False
         self._hooks: list[RemovableHandle] = []
         self._due = 0.0  # time.monotonic() of the next drain at a module's forward
+        self._filter: object = None
         self._trace: list[TraceEvent] = []
         self._times: list[int] = []
         self._live: dict[int, int] = {}  # address -> bytes of the allocations not yet freed
@@ -80,6 +82,7 @@ class AllocatorEvents:
             _enable()
             del before
         self._on = True
+        self._filter = ignore(PROFILER_WITHOUT_OPERATORS)
         self._due = time.monotonic() + self.DRAIN_S
         self._hooks = [register_optimizer_step_post_hook(lambda *_: self.drain()),
                        register_module_forward_pre_hook(self._on_forward)]
@@ -94,7 +97,8 @@ class AllocatorEvents:
         self._due = time.monotonic() + self.DRAIN_S
 
     def _on_forward(self, module: object, args: object) -> None:
-        if time.monotonic() >= self._due and not torch.compiler.is_compiling():
+        # compiling first: Dynamo traces this hook into the graph, and a clock breaks it
+        if not torch.compiler.is_compiling() and time.monotonic() >= self._due:
             self.drain()
 
     def stop(self) -> tuple[list[TraceEvent], list[int]]:
@@ -106,6 +110,7 @@ class AllocatorEvents:
         self._on = False
         for hook in self._hooks:
             hook.remove()
+        restore(self._filter)
         if not self._ours():
             raise MemprofError("--light: the script ran torch.profiler, which ended memprof's"
                                " recording (both need it); run without --light")

@@ -38,6 +38,7 @@ from memprof.collect.hook_modules import Mark, Owner, module_trace
 from memprof.collect.module_stack import ModuleStack
 from memprof.collect.roles import RoleHooks
 from memprof.collect.storages import storages_behind
+from memprof.collect.warning_filters import COMPILE_WITH_GLOBAL_HOOKS, ignore, restore
 from memprof.collect.weak_ids import WeakIdMap
 from memprof.trace.model import ACTIVATIONS, EVAL_ACTIVATIONS, GRADIENTS, WORKSPACE
 
@@ -65,6 +66,7 @@ class HookLabeller(RoleHooks):
         self._owner: str | None = None  # the module whose pre-hook marks its own tensors
         self._in_backward = False  # an end-of-backward callback is queued
         self._exit_hook: RemovableHandle | None = None
+        self._filter: object = None
         # tensor -> (data pointer, category) last noted: a parameter
         # seen at every forward is noted once while its storage stays (activations are new
         # tensors every time); and likewise for its module
@@ -82,6 +84,7 @@ class HookLabeller(RoleHooks):
         """Register the role hooks and the forward hook that ends a module's window."""
         super().install()
         self._exit_hook = register_module_forward_hook(self._on_exit, always_call=True)
+        self._filter = ignore(COMPILE_WITH_GLOBAL_HOOKS)  # the script's, not memprof's
 
     def remove(self) -> None:
         """Remove every hook (the role hooks mark what the script holds first)."""
@@ -91,6 +94,7 @@ class HookLabeller(RoleHooks):
             if self._exit_hook is not None:
                 self._exit_hook.remove()
                 self._exit_hook = None
+            restore(self._filter)
 
     def labels(self, trace: Sequence[Event], times: Sequence[int] | None = None,
                workspaces: tuple[int, int] = (0, 0)) -> dict[str, Any]:
