@@ -97,6 +97,40 @@ def test_a_compiled_model_compiles_whole_and_warns_nothing(monkeypatch) -> None:
     assert labels["activations"] > 0
 
 
+def test_batches_from_worker_processes_are_seen_as_the_exact_recorder_sees_them() -> None:
+    # a worker's batch arrives through shared memory, which no operator of this process
+    # made (the exact recorder adopts it, worker_batches.py); the allocator reports the
+    # mapping here, as it reports the batch num_workers=0 makes
+    data = torch.utils.data.TensorDataset(torch.ones(64, 32))
+    batches = {}
+    for workers in (0, 2):
+        events = AllocatorEvents()
+        events.start()
+        for _ in torch.utils.data.DataLoader(data, batch_size=16, num_workers=workers):
+            pass
+        trace, _ = events.stop()
+        batches[workers] = [e[0] for e in trace if e[2] == 16 * 32 * 4]
+    assert batches[0].count("alloc") == batches[2].count("alloc") == 4
+    assert batches[2].count("free_completed") == 3  # each dropped for the next; the last held
+
+
+def test_the_ring_buffer_keeps_the_newest_events_and_what_is_still_alive(monkeypatch) -> None:
+    monkeypatch.setattr(AllocatorEvents, "DRAIN_S", 0.0)
+    layer = torch.nn.Identity()  # each call is a forward: a drain, and a trim when due
+    events = AllocatorEvents(max_entries=100)
+    events.start()
+    kept = [torch.empty(1000)]  # allocated first, alive at the end
+    for i in range(300):
+        layer(torch.empty(10 + i))  # made and freed: 600 events
+    kept.append(torch.empty(5000))  # the peak: 4000 + 20000 bytes
+    trace, times = events.stop()
+    assert len(trace) <= 110 and len(times) == len(trace)
+    assert trace[0][:3] == ("alloc", kept[0].data_ptr(), 4000)  # kept, though oldest
+    assert trace[-1][:3] == ("alloc", kept[1].data_ptr(), 20000)
+    assert events.dropped == 2 + 600 - len(trace)
+    assert events.max_live_bytes == 24000 and times == sorted(times)
+
+
 def test_a_running_profiler_is_refused() -> None:
     with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]),
           pytest.raises(MemprofError, match="already running")):

@@ -39,9 +39,10 @@ from torch.utils.hooks import RemovableHandle
 
 from memprof.collect.warning_filters import PROFILER_WITHOUT_OPERATORS, ignore, restore
 from memprof.errors import MemprofError
-from memprof.trace.events import TraceEvent
+from memprof.trace.events import ACTION, ADDR, TraceEvent
 
 _NO_STACK = ()
+_SLACK = 0.1  # the ring buffer trims when it holds this much more than max_entries
 
 
 class AllocatorEvents:
@@ -50,12 +51,19 @@ class AllocatorEvents:
     At each optimizer step, and at a module's forward once ``DRAIN_S`` have passed, it
     moves what the profiler holds into its own trace (``drain``): at stop the profiler
     turns each event into a Kineto activity of about a kilobyte, which a long run's
-    millions of events would otherwise all need at once.
+    millions of events would otherwise all need at once. With ``max_entries`` the trace is
+    a ring buffer, as the exact recorder's: the oldest events go, but for the allocations
+    of blocks still live at the new first event; ``dropped`` counts them and
+    ``max_live_bytes`` is the peak over all events.
     """
 
     DRAIN_S = 0.5
 
-    def __init__(self) -> None:
+    def __init__(self, max_entries: int | None = None) -> None:
+        self.max_entries = max_entries
+        self.dropped = 0
+        self.max_live_bytes = 0
+        self._live_bytes = 0
         self._on = False
         self._hooks: list[RemovableHandle] = []
         self._due = 0.0  # time.monotonic() of the next drain at a module's forward
@@ -138,15 +146,38 @@ class AllocatorEvents:
             reported = [r for r in reported if r[3].type == "cpu"]
         reported.sort(key=itemgetter(0))  # threads' queues come one after another
         trace, times, live = self._trace, self._times, self._live
+        held, most = self._live_bytes, self.max_live_bytes
         for at, ptr, nbytes, _ in reported:
             if nbytes > 0:
                 live[ptr] = nbytes
                 trace.append(("alloc", ptr, nbytes, 0, at // 1000, _NO_STACK))
+                held += nbytes
+                if held > most:
+                    most = held
             elif live.pop(ptr, None) is not None:
                 trace.append(("free_completed", ptr, -nbytes, 0, at // 1000, _NO_STACK))
+                held += nbytes
             else:
                 continue
             times.append(at)
+        self._live_bytes, self.max_live_bytes = held, most
+        if self.max_entries is not None and len(trace) > self.max_entries * (1 + _SLACK):
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop the oldest events down to ``max_entries``, but for the allocations of blocks
+        not freed before the new first event."""
+        cut = len(self._trace) - self.max_entries  # type: ignore[operator]
+        pending: dict[int, int] = {}  # address -> index of an allocation not yet freed
+        for i, event in enumerate(self._trace[:cut]):
+            if event[ACTION] == "alloc":
+                pending[event[ADDR]] = i
+            else:
+                pending.pop(event[ADDR], None)
+        keep = sorted(pending.values())
+        self.dropped += cut - len(keep)
+        self._trace = [self._trace[i] for i in keep] + self._trace[cut:]
+        self._times = [self._times[i] for i in keep] + self._times[cut:]
 
 
 def _enable() -> None:

@@ -20,7 +20,7 @@ from memprof.collect.endings import stops
 from memprof.collect.labeller import HookLabeller
 from memprof.collect.launch import Outcome, Target, run
 from memprof.collect.profiler import StepWindowProfiler
-from memprof.collect.storages import StorageTracker
+from memprof.collect.storages import StorageTracker, requested_peak
 from memprof.errors import MemprofError
 from memprof.heap import frozen, trim
 from memprof.trace.model import AllocatorSettings
@@ -79,13 +79,13 @@ def record_cuda(target: Target, max_entries: int, profile_to: Path | None, steps
                      history.oom_snapshot)
 
 
-def record_light(target: Target, settings: AllocatorSettings, steps: int | None = None,
-                 seconds: float | None = None, ended: Callable[[], None] | None = None
-                 ) -> Recording:
+def record_light(target: Target, max_entries: int, settings: AllocatorSettings,
+                 steps: int | None = None, seconds: float | None = None,
+                 ended: Callable[[], None] | None = None) -> Recording:
     """The light CPU path: the CPU allocator's own events (``alloc_events.py``) labelled by
     the role hooks, as on a GPU; no dispatch mode, so no Python stacks per allocation and
     no operator facts, and the script runs at nearly its own speed."""
-    events = AllocatorEvents()
+    events = AllocatorEvents(max_entries)
     labeller = HookLabeller(time.time_ns)
     events.start()
     try:
@@ -96,7 +96,9 @@ def record_light(target: Target, settings: AllocatorSettings, steps: int | None 
             trace, times = events.stop()
             snapshot = {"segments": [], "device_traces": [trace], "allocator_settings": None,
                         "external_annotations": [],
-                        "memprof": {**labeller.labels(trace, times), "recorder": "cpu-light"}}
+                        "memprof": {**labeller.labels(trace, times), "recorder": "cpu-light",
+                                    "dropped_events": events.dropped,
+                                    "run_peak": requested_peak(events.max_live_bytes)}}
             del times
             trim()
             snapshot = predict_cuda_layout(snapshot, settings)

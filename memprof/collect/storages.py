@@ -71,6 +71,12 @@ def _stop_in_child() -> None:
 os.register_at_fork(after_in_child=_stop_in_child)
 
 
+def requested_peak(nbytes: int) -> dict[str, int | None]:
+    """A recording's ``run_peak`` entry: ``nbytes`` requested at once (a CPU recording
+    knows no allocator's figures)."""
+    return {"requested_bytes": nbytes, "allocated_bytes": None, "reserved_bytes": None}
+
+
 class _StorageRef(weakref.ref):
     """Weak reference to a tracked storage, carrying its key and alloc event."""
 
@@ -218,9 +224,8 @@ class StorageTracker(_PlainMode):
 
     def run_peak(self) -> dict[str, int | None]:
         """The most bytes the tracked storages held at once over the whole recording, the
-        ring buffer's dropped events included (the allocator's figures are unknown here)."""
-        return {"requested_bytes": self.max_live_bytes, "allocated_bytes": None,
-                "reserved_bytes": None}
+        ring buffer's dropped events included."""
+        return requested_peak(self.max_live_bytes)
 
     def take_trace(self) -> list[TraceEvent]:
         """The trace, moved out: the tracker holds no events after."""

@@ -161,12 +161,15 @@ def modules_table(live: Live, moment: str) -> Table:
     t.add_column("share", justify="right")
     t.add_column("blocks", justify="right")
     t.add_column("module", overflow="fold")  # cut, paths alike would all read the same
-    t.add_column("model code")
+    framed = any(m.frame for m in live.modules)  # none where no stacks were recorded
+    if framed:
+        t.add_column("model code")
     for m in live.modules:
-        where = f"{short_path(m.frame.filename, 1)}:{m.frame.line} {m.frame.name}" if m.frame \
-            else ""
-        t.add_row(fb(m.bytes), f"{100 * m.share:.1f}%", f"{m.count:,}", plain(m.module),
-                  plain(where))
+        row = [fb(m.bytes), f"{100 * m.share:.1f}%", f"{m.count:,}", plain(m.module)]
+        if framed:
+            row.append(plain(f"{short_path(m.frame.filename, 1)}:{m.frame.line} {m.frame.name}"
+                             if m.frame else ""))
+        t.add_row(*row)
     return t
 
 
