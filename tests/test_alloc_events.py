@@ -75,6 +75,7 @@ def test_each_optimizer_step_drains_the_profiler_and_frees_still_pair(monkeypatc
 def test_a_compiled_model_compiles_whole_and_warns_nothing(monkeypatch) -> None:
     monkeypatch.setattr(AllocatorEvents, "DRAIN_S", 0.0)  # a drain due at every forward
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # counted since the process started
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.Adam(model.parameters())
     compiled = torch.compile(model, backend="aot_eager")

@@ -236,6 +236,7 @@ def by_alloc(trace: list[dict[str, Any]], meta: dict[str, Any]
 
 def test_a_compiled_model_compiles_whole_under_the_labeller() -> None:
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # counted since the process started
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     optimizer = torch.optim.Adam(model.parameters())
     compiled = torch.compile(model, backend="aot_eager")

@@ -70,7 +70,7 @@ class AllocatorEvents:
         self._filter: object = None
         self._trace: list[TraceEvent] = []
         self._times: list[int] = []
-        self._live: dict[int, int] = {}  # address -> bytes of the allocations not yet freed
+        self._live: set[int] = set()  # addresses of the allocations not yet freed
 
     @property
     def recording(self) -> bool:
@@ -125,7 +125,7 @@ class AllocatorEvents:
         with quiet_stderr():
             self._take()
         trace, times = self._trace, self._times
-        self._trace, self._times, self._live = [], [], {}
+        self._trace, self._times, self._live = [], [], set()
         return trace, times
 
     @staticmethod
@@ -149,12 +149,13 @@ class AllocatorEvents:
         held, most = self._live_bytes, self.max_live_bytes
         for at, ptr, nbytes, _ in reported:
             if nbytes > 0:
-                live[ptr] = nbytes
+                live.add(ptr)
                 trace.append(("alloc", ptr, nbytes, 0, at // 1000, _NO_STACK))
                 held += nbytes
                 if held > most:
                     most = held
-            elif live.pop(ptr, None) is not None:
+            elif ptr in live:
+                live.remove(ptr)
                 trace.append(("free_completed", ptr, -nbytes, 0, at // 1000, _NO_STACK))
                 held += nbytes
             else:
@@ -195,7 +196,8 @@ def _enable() -> None:
 @contextlib.contextmanager
 def quiet_stderr() -> Iterator[None]:
     """Silence file descriptor 2 for the block: Kineto logs its start and stop there, and
-    a warning that there are no operator events to match, none of them the script's."""
+    a warning that there are no operator events to match, none of them the script's (what
+    another of the script's threads writes there in those microseconds is lost too)."""
     sys.stderr.flush()
     try:
         saved = os.dup(2)
