@@ -20,10 +20,10 @@ from memprof.errors import MemprofError
 from memprof.trace.events import as_snapshot_events
 
 F32 = torch.float32.itemsize
+Recorded = tuple[list[dict[str, Any]], dict[str, Any]]  # a trace as dicts, and its labels
 
 
-def _light(main: Callable[[list[str]], object], argv: list[str]
-           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _light(main: Callable[[list[str]], object], argv: list[str]) -> Recorded:
     events = AllocatorEvents()
     events.start()
     with HookLabeller(time.time_ns) as labeller:
@@ -147,14 +147,19 @@ def test_a_profiler_the_script_starts_ends_the_recording_and_says_so() -> None:
         events.stop()
 
 
-@pytest.mark.parametrize("name", sorted(set(SAMPLES) - {"ddp_gloo", "cnn"}))
-def test_light_labels_equal_the_exact_recorder(name: str) -> None:
+def _both(name: str) -> tuple[Recorded, Recorded]:
+    """A sample on the CPU under the light recorder, then under the exact one."""
     main = load_sample(name).main
     argv = [*SAMPLES[name], "--device", "cpu"]
     torch.manual_seed(0)
-    exact_trace, exact_meta = _exact(main, argv)
+    light = _light(main, argv)
     torch.manual_seed(0)
-    trace, meta = _light(main, argv)
+    return light, _exact(main, argv)
+
+
+@pytest.mark.parametrize("name", sorted(set(SAMPLES) - {"ddp_gloo", "cnn"}))
+def test_light_labels_equal_the_exact_recorder(name: str) -> None:
+    (trace, meta), (exact_trace, exact_meta) = _both(name)
     peak = at_peak(trace, meta["labels"])
     exact = at_peak(exact_trace, exact_meta["labels"])
     assert peak["parameters"] > 0 and peak["activations"] > 0
@@ -171,12 +176,7 @@ def test_light_labels_equal_the_exact_recorder(name: str) -> None:
 def test_cpu_convolution_scratch_is_seen_and_model_state_is_the_same() -> None:
     # CPU convolutions unfold their input into a scratch buffer (im2col) inside the kernel:
     # the allocator reports it, a dispatch mode never sees it, and it moves the peak
-    main = load_sample("cnn").main
-    argv = [*SAMPLES["cnn"], "--device", "cpu"]
-    torch.manual_seed(0)
-    exact_trace, exact_meta = _exact(main, argv)
-    torch.manual_seed(0)
-    trace, meta = _light(main, argv)
+    (trace, meta), (exact_trace, exact_meta) = _both("cnn")
     peak = at_peak(trace, meta["labels"])
     exact = at_peak(exact_trace, exact_meta["labels"])
     for role in ("parameters", "buffers", "optimizer_state"):
