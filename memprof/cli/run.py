@@ -166,6 +166,11 @@ def run(
                                            profile_path, steps, seconds, script_ended)
             if os.getpid() != parent:  # a child the script forked ran out its copy of it
                 raise typer.Exit(recording.outcome.exit_code)
+            stopped = recording.outcome.stopped_by
+            if stopped in ("steps", "seconds") and rank == 0:  # why the script's output ends
+                sys.stdout.flush()
+                what = f"{steps} steps" if stopped == "steps" else f"{seconds:g} s"
+                print(f"memprof: stopped after {what} as asked", file=sys.stderr)
             with frozen():  # the script has ended: its objects wait for the exit
                 code = _finish(recording, target, folder, names, settings.conf, launched, top,
                                limit, plot if timeline else None)
@@ -179,9 +184,6 @@ def run(
                                " free some space or pass -o with another folder",
                                exit_code=1) from None
     sys.stdout.flush()
-    if recording.outcome.stopped_by in ("steps", "seconds") and rank == 0:
-        what = f"{steps} steps" if recording.outcome.stopped_by == "steps" else f"{seconds:g} s"
-        print(f"memprof: stopped after {what} as asked", file=sys.stderr)
     raise typer.Exit(code)
 
 
