@@ -17,9 +17,10 @@ from conftest import GPU_FIXTURES, ROOT
 from test_run_cli import Result, block, load_sample, run_python
 
 from memprof.analysis.explain import explain
+from memprof.collect.labeller import HookLabeller
 from memprof.collect.virtual.cards import parse_spec
 from memprof.collect.virtual.recorder import format_size
-from memprof.collect.virtual.workspaces import unified_setting
+from memprof.collect.virtual.workspaces import blas_workspace_sizes, unified_setting
 from memprof.trace import load_snapshot
 
 RUNS = sorted(p.name for p in GPU_FIXTURES.iterdir() if (p / "counters.json").is_file())
@@ -92,6 +93,17 @@ def test_explain_names_the_request_and_what_held_the_card_at_the_oom():
     # the model's forward held most of it (its four hidden layers' activations)
     top = oom.live.sites[0]
     assert "oom.py:72" in top.label and top.bytes > oom.allocated_bytes / 2
+
+
+def test_the_gpu_path_labels_a_trace_that_ran_out_of_memory():
+    # the allocator's "oom" entry has no address; reading one lost a run's report on the card
+    trace = pickle.loads((GPU_FIXTURES / "oom" / "oom-snapshot.pickle").read_bytes()
+                         )["device_traces"][0]
+    assert "addr" not in next(e for e in trace if e["action"] == "oom")
+    cublas, lt = blas_workspace_sizes((9, 0), {"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "0"})
+    labels = HookLabeller().labels(trace, workspaces=(cublas, lt))["labels"]
+    # one cuBLAS workspace per thread's handle (autograd's too), cuBLASLt's once
+    assert sorted(trace[i]["size"] for i, c in labels if c == "workspace") == [lt, cublas, cublas]
 
 
 def test_a_labelled_oom_is_not_called_inferred(tmp_path):

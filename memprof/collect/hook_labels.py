@@ -61,7 +61,7 @@ def fields(event: Event | TraceEvent) -> tuple[str, int, int]:
     """An event's action, address and size: a snapshot's dict or a recorder's tuple."""
     if type(event) is tuple:
         return event[ACTION], event[ADDR], event[SIZE]
-    return event["action"], event["addr"], event["size"]
+    return event["action"], event.get("addr", 0), event.get("size", 0)  # "oom" has no addr
 
 
 def action_of(event: Event | TraceEvent) -> str:
