@@ -188,8 +188,8 @@ def test_the_cards_hook_labels_are_the_exact_recorders_roles(run, predicted):
 def test_every_allocation_of_gpt2_small_on_the_card_is_predicted(predicted):
     """Not just the peak: the fp32 GPT-2-small run's every request, with its reductions'
     staging, memory-efficient attention's backward scratch and the embedding backward's
-    segment buffers; all but CUB's temporary storage inside the embedding backward's sort
-    and scans (150,015 and 1,279 bytes here, a formula of CUB's own)."""
+    segment buffers and CUB's temporary storage for its sort and scans (150,015 and 1,279
+    bytes here)."""
     result, out = predicted["transformer_real"].result()
     assert result.code == 0, result.stderr[-2000:]
 
@@ -199,5 +199,4 @@ def test_every_allocation_of_gpt2_small_on_the_card_is_predicted(predicted):
         return Counter(e["size"] for e in trace if e["action"] == "alloc")
     card = requests(GPU_FIXTURES / "transformer_real" / "snapshot.pickle")
     virtual = requests(out / "snapshot.pickle")
-    assert virtual - card == Counter()
-    assert card - virtual == Counter({1279: 6, 150015: 3})
+    assert virtual == card

@@ -174,15 +174,17 @@ def test_aten_reductions_reach_the_port_with_their_dims():
     h200, aten = parse_spec("H200"), torch.ops.aten
     grad = torch.empty(65536, 2048, device="meta")  # a bias gradient's input, as in oom.py
     bias = scratch(aten.sum.dim_IntList, (grad, [0], True), {}, h200)
-    assert bias is not None and bias.launches == reduction_staging(
-        [65536, 2048], [2048, 1], [0], sm_count=H200_SMS,
-        threads_per_sm=max_threads_per_sm(H200_CAPABILITY), **FP32).launches
+    staged = reduction_staging([65536, 2048], [2048, 1], [0], sm_count=H200_SMS,
+                               threads_per_sm=max_threads_per_sm(H200_CAPABILITY), **FP32)
+    assert staged.acc_buffer == 0 and bias is not None
+    assert bias.steps == tuple(staged.launches)
     # every dim: the default overloads, and var.default's second argument is not a dim
     whole = reduction_staging([65536, 2048], [2048, 1], [], sm_count=H200_SMS,
                               threads_per_sm=max_threads_per_sm(H200_CAPABILITY), **FP32)
-    assert scratch(aten.sum.default, (grad,), {}, h200).launches == whole.launches
+    assert scratch(aten.sum.default, (grad,), {}, h200).steps == tuple(whole.launches)
     welford = scratch(aten.var.default, (grad, True), {}, h200)
-    assert welford is not None and len(welford.launches) == len(whole.launches)
+    assert welford is not None
+    assert sum(type(step) is tuple for step in welford.steps) == len(whole.launches)
     assert scratch(aten.relu.default, (grad,), {}, h200) is None  # not a reduction
 
 
@@ -196,8 +198,10 @@ def test_attention_backwards_request_their_scratch():
     flash = scratch(aten._scaled_dot_product_flash_attention_backward.default,
                     (q, q, q, q, q), {}, h200)
     # softmax_d over 1024 rows (1000 rounded to 128); dQ's accumulator with D rounded to 96
-    assert flash.held == (8 * 12 * 1024 * 4,)
-    assert flash.launches == ((8 * 1024 * 12 * 96 * 4,),)
+    assert flash.steps == (8 * 12 * 1024 * 4, (8 * 1024 * 12 * 96 * 4,))
     efficient = scratch(aten._scaled_dot_product_efficient_attention_backward.default,
                         (q, q, q, q, None, q), {}, h200)
-    assert efficient.held == (8 * 12 * 1000 * 4,) and efficient.launches == ()  # 16-bit
+    # 16-bit: delta; dQ's accumulator in 64 x 128 tiles (D = 80), 64 x 128 + 2 floats each,
+    # as the H200 allocated it; a gradient laid out (B, H, S, D) is first copied to (B, S, H, D)
+    assert efficient.steps == (8 * 12 * 1000 * 4, (8 * 12 * 16 * (64 * 128 + 2) * 4,))
+    assert efficient.early == (8 * 12 * 1000 * 80 * 2,)

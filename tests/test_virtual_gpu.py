@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -248,6 +249,21 @@ def masked_attention(where: Path) -> Result:
     return inline(where, "H100", "masked", MASKED_ATTENTION)
 
 
+DROPOUT = """\
+import torch
+from torch import nn
+x = torch.randn(64, 256, 384, device="cuda", requires_grad=True)
+y = nn.Dropout(0.2)(x) + nn.functional.dropout(x, 0.1) + torch.dropout(x, 0.1, True)
+y.sum().backward()
+nn.functional.dropout(x.detach().clone(), 0.1, inplace=True)  # in place: the unfused kernel
+"""
+
+
+@job
+def dropout(where: Path) -> Result:
+    return inline(where, "H100", "dropout", DROPOUT)
+
+
 CPU_ONLY = """\
 import torch
 torch.manual_seed(0)
@@ -473,14 +489,29 @@ def test_autocast_caches_weight_casts_except_in_inference_mode(runs: dict[str, F
     assert result.stdout.strip() == f"[{4096 * 1024 * BF16}, 0]"
 
 
-def test_h100_runs_flash_attention_with_its_logsumexp(runs: dict[str, Future[Any]]) -> None:
+def test_h100_runs_cudnn_attention_with_its_logsumexp(runs: dict[str, Future[Any]]) -> None:
+    # torch 2.11 and later try cuDNN's attention first on sm90 (tests/test_kernel_scratch.py)
     _, where = finished(runs, "flash")
     b, h, s, d = ATTENTION["batch"], ATTENTION["heads"], ATTENTION["seq"], \
         ATTENTION["d_model"] // ATTENTION["heads"]
     sizes = _attention_allocs(where)
-    assert b * h * s * F32 in sizes  # flash's logsumexp, fp32 (B, H, S)
+    assert b * h * s * F32 in sizes  # the logsumexp, fp32 (B, H, S, 1)
     assert b * h * s * d * BF16 in sizes  # the output
+    # each call's RNG seed and offset, and its plan's workspace
+    assert 256 in sizes and sizes.count(8) == 2 * sizes.count(256)
     assert max(sizes) < b * h * s * s * BF16  # no attention matrix
+
+
+def test_dropout_keeps_cudas_boolean_mask(runs: dict[str, Future[Any]]) -> None:
+    # CUDA's fused dropout keeps a bool mask; the unfused one (in place, or on the CPU) keeps
+    # noise of the input's dtype
+    _, where = finished(runs, "dropout")
+    snapshot = pickle.loads((where / "out" / "snapshot.pickle").read_bytes())
+    sizes = Counter(e["size"] for e in snapshot["device_traces"][0] if e["action"] == "alloc")
+    n = 64 * 256 * 384
+    assert sizes[n] == 3  # the three out-of-place calls' masks
+    # x, the outputs, the two sums, the three gradients, and the in-place call's copy and noise
+    assert sizes[n * F32] == 1 + 3 + 2 + 3 + 1 + 1
 
 
 def test_v100_falls_back_to_math_attention(runs: dict[str, Future[Any]]) -> None:

@@ -176,6 +176,7 @@ class StorageTracker(_PlainMode):
             self.known, self.modules, self.square_scores]
         self._stacks = StackCapture()
         self._live: dict[int, _StorageRef] = {}
+        self._empty: dict[int, weakref.ref] = {}  # 0-byte storages: no block, may grow
         self._addrs: set[int] = set()
         self._spare: list[int] = []
         self._synthetic = itertools.count(SYNTHETIC_BASE, _SYNTHETIC_STEP)
@@ -277,12 +278,17 @@ class StorageTracker(_PlainMode):
                             continue
                         frame = frame or self._op_frame()
                         self._free(ref, frame)  # resized in place: a new block, like realloc
+                    elif (empty := self._empty.pop(key, None)) is not None and empty() is st:
+                        pass  # an empty storage grown in place (an ``out=`` argument)
                     # lift_fresh returns torch.tensor()'s new data
                     elif facts & MAY_ALIAS and func is not _LIFT_FRESH:
                         if inputs is None:
                             inputs = self._input_keys(args, kwargs)
                         if key in inputs:
                             continue
+                    if not st.nbytes():  # no block: neither allocator makes one for 0 bytes
+                        self._empty[key] = weakref.ref(st, self._forget_empty(key))
+                        continue
                     frame = frame or self._op_frame()
                     self._alloc(st, key, frame)
                     if facts & (SCORES | FUSED):
@@ -355,6 +361,13 @@ class StorageTracker(_PlainMode):
         ref.key = key
         self._live[key] = ref
         self.events.append(event)
+
+    def _forget_empty(self, key: int) -> Callable[[weakref.ref], None]:
+        """The callback that drops an empty storage's entry when it dies."""
+        def forget(ref: weakref.ref) -> None:
+            if self._empty.get(key) is ref:
+                del self._empty[key]
+        return forget
 
     def _on_free(self, ref: _StorageRef) -> None:
         with self._lock:

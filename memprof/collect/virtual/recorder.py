@@ -102,24 +102,27 @@ class VirtualRecorder(StorageTracker):
         virtual = [t for t in tensors_in(out) if type(t) is VirtualTensor]  # not host ones
         if not virtual:
             return
+        found = None  # what the kernel requests beyond its outputs (``kernel_memory.py``)
+        if func is not None and getattr(func, "_opname", None) in kernel_memory.NAMES:
+            found = kernel_memory.scratch(func, args, kwargs, self.card)
+        early = self._requests(found.early) if found else []
         super()._record(virtual, func, args, kwargs)
         if func is not None:
             self._cublas_workspaces(str(func), args, kwargs)
-            if getattr(func, "_opname", None) in kernel_memory.NAMES:
-                self._scratch(kernel_memory.scratch(func, args, kwargs, self.card))
+            if found is not None:
+                _release(self._requests(found.steps))
+        _release(early)
 
-    def _scratch(self, found: kernel_memory.Scratch | None) -> None:
-        """What the kernel requests beyond its outputs, freed as the real one frees it
-        (``kernel_memory.py``): requested after the outputs, last request freed first."""
-        if found is None:
-            return
-        held = [self._scratch_block(size) for size in found.held]
-        for launch in found.launches:
-            blocks = [self._scratch_block(size) for size in launch]
-            while blocks:
-                blocks.pop()  # its last reference: the free is recorded now
-        while held:
-            held.pop()
+    def _requests(self, steps: tuple[int | tuple[int, ...], ...]) -> list[VirtualTensor]:
+        """Request a kernel's scratch ``steps`` (``kernel_memory.Scratch``): each launch's
+        blocks freed (last first) once queued; the held blocks, for the caller to free."""
+        kept = []
+        for step in steps:
+            if type(step) is tuple:
+                _release([self._scratch_block(size) for size in step])
+            else:
+                kept.append(self._scratch_block(step))
+        return kept
 
     def _scratch_block(self, size: int) -> VirtualTensor:
         """A recorded block of ``size`` bytes that no tensor of the script holds."""
@@ -200,6 +203,12 @@ class VirtualRecorder(StorageTracker):
         self.events.append(record)  # type: ignore[arg-type]
         self.placer.add(record)
         return torch.OutOfMemoryError(oom_message(self.card, oom, free, self.allowed))
+
+
+def _release(blocks: list[VirtualTensor]) -> None:
+    """Free ``blocks``, last first: each pop drops its last reference, recording the free."""
+    while blocks:
+        blocks.pop()
 
 
 def format_size(size: int) -> str:

@@ -4,7 +4,7 @@ Factories asked for a CUDA device (``device="cuda"``, ``set_default_device("cuda
 ``nn.Linear(..., device="cuda")``), ``.cuda()`` and ``.to("cuda")`` give virtual CUDA
 tensors, and a bare index (``torch.device(0)``, ``.to(0)``) names a CUDA device; host
 tensors stay real; ``scaled_dot_product_attention`` runs the card's kernel
-(``attention.py``).
+(``attention.py``), and dropout CUDA's fused one.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from memprof.collect.virtual.tensor import VirtualTensor, adopt, virtual_like
 
 _META = torch.device("meta")
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+_DROPOUT = {torch.nn.functional.dropout: ("input", "p", "training", "inplace"),
+            torch.dropout: ("input", "p", "train")}
 _FACTORIES = _device_constructors()
 
 
@@ -54,6 +56,8 @@ class CudaRouting(TorchFunctionMode):
             return _to(args[0], args[1:], kwargs, func)
         if func is _SDPA:
             return sdpa(self.card, *args, **kwargs)
+        if func in _DROPOUT:
+            return _dropout(func, args, kwargs)
         if kwargs.get("pin_memory"):  # pinning needs a driver: plain host memory, as
             kwargs = {**kwargs, "pin_memory": False}  # the patched pin_memory() gives
         device = kwargs.get("device")
@@ -72,6 +76,18 @@ def _on_device(out: torch.Tensor) -> torch.Tensor:
     if isinstance(out, VirtualTensor):  # made from host-side virtual tensors
         return adopt(VirtualTensor(out.elem, requires_grad=out.requires_grad))
     return adopt(VirtualTensor(out))
+
+
+def _dropout(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Dropout as CUDA runs it: ATen takes its fused kernel (``native_dropout``, whose mask
+    is bool) for CUDA tensors; on the meta tensors inside it would take the unfused one,
+    whose mask has the input's dtype."""
+    given = dict(zip(_DROPOUT[func], args, strict=False)) | kwargs
+    x, p = given["input"], given.get("p", 0.5)
+    if (type(x) is VirtualTensor and given.get("training", given.get("train", True))
+            and not given.get("inplace", False) and 0 < p < 1 and x.numel() > 0):
+        return torch.ops.aten.native_dropout(x, p, True)[0]
+    return func(*args, **kwargs)
 
 
 def _default_device() -> torch.device | None:
