@@ -390,7 +390,7 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
             self.cached_bytes -= size
 
     def _synthetic_address(self, size: int) -> int:
-        """An address for a segment the simulator creates, apart from every other one."""
-        addr = self._next_synthetic
-        self._next_synthetic += max(self.segment_size(size), size) + ROUND_LARGE
-        return addr
+        """An address for a segment the simulator creates, apart from every other one and
+        below the last, as the CUDA driver hands out device memory."""
+        self._next_synthetic -= max(self.segment_size(size), size) + ROUND_LARGE
+        return self._next_synthetic

@@ -69,12 +69,23 @@ def cast(args: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: _cached_cast(t, dtype) if eligible(t) else t, args)
 
 
+def cast_call(args: tuple, kwargs: dict[str, Any], dtype: torch.dtype
+              ) -> tuple[tuple, dict[str, Any]]:
+    """An op's arguments with every eligible tensor cast to ``dtype``, the last argument
+    first: the C++ kernels cast them within one argument list (``cached_cast(dtype,
+    args)...``), which GCC evaluates right to left; the H200 casts a ``Linear``'s bias
+    before its weight."""
+    kw = {k: cast(v, dtype) for k, v in reversed(kwargs.items())}
+    cast_args = [cast(a, dtype) for a in reversed(args)]
+    return tuple(reversed(cast_args)), {k: kw[k] for k in kwargs}
+
+
 def lower_precision(*tensors: torch.Tensor) -> Any:
     """``tensors`` as CUDA autocast hands them to a lower-precision op (unchanged outside
     autocast)."""
     if not torch.is_autocast_enabled("cuda"):
         return tensors
-    return cast(tensors, torch.get_autocast_dtype("cuda"))
+    return cast_call(tensors, {}, torch.get_autocast_dtype("cuda"))[0]
 
 
 def clear_cache() -> None:
@@ -130,15 +141,16 @@ def caches_in_inference_mode() -> bool:
 def _lower_precision_fp(op: Any) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(AUTOCAST_CUDA):
-            dtype = torch.get_autocast_dtype("cuda")
-            return op(*cast(args, dtype), **cast(kwargs, dtype))
+            args, kwargs = cast_call(args, kwargs, torch.get_autocast_dtype("cuda"))
+            return op(*args, **kwargs)
     return kernel
 
 
 def _fp32(op: Any) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(AUTOCAST_CUDA):
-            return op(*cast(args, torch.float32), **cast(kwargs, torch.float32))
+            args, kwargs = cast_call(args, kwargs, torch.float32)
+            return op(*args, **kwargs)
     return kernel
 
 
@@ -177,7 +189,8 @@ def _promote(op: Any) -> Callable[..., Any]:
             widest = torch.get_autocast_dtype("cuda")
             for dtype in found:
                 widest = torch.promote_types(widest, dtype)
-            return op(*cast(args, widest), **cast(kwargs, widest))
+            args, kwargs = cast_call(args, kwargs, widest)
+            return op(*args, **kwargs)
     return kernel
 
 

@@ -136,11 +136,11 @@ def scratch(func: torch._ops.OpOverload, args: tuple, kwargs: dict, card: Card
 
 def _embedding(args: tuple) -> Scratch | None:
     """``embedding(weight, indices)``: the flattened copy of indices that are not
-    contiguous, freed once the rows are gathered."""
+    contiguous, made before the output and freed once the rows are gathered."""
     indices = args[1]
     if indices.is_contiguous():
         return None
-    return Scratch(((indices.numel() * indices.element_size(),),))
+    return Scratch(early=(indices.numel() * indices.element_size(),))
 
 
 def _embedding_backward(args: tuple, card: Card) -> Scratch | None:
