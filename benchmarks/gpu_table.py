@@ -134,10 +134,29 @@ def overhead_rows(data: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def write(outdir: Path | None, label: str | None) -> None:
-    """Keep ``outdir``'s timings (as ``label``), then predict and write the page."""
+THIRD_PARTY = """
+PyTorch's own counters (`max_memory_allocated`, `max_memory_reserved`) at the end of each
+script under plain python on the card (`results/gpu-thirdparty.json`), against `memprof
+run --virtual-gpu` of the same command here (`gpu_thirdparty.py`; checkouts given to
+`gpu_validation.py table`). nanoGPT: `train.py config/train_shakespeare_char.py`, 10
+iterations on synthetic tokens, bf16 autocast, dropout 0.2, as its README runs it on a
+GPU but for the iteration count; minGPT: `chargpt.py` (gpt-micro), 20 iterations, fp32;
+the CS336 runs: their scripts as `groundtruth.py` runs them, on this card's torch.
+"""
+
+
+def write(outdir: Path | None, label: str | None, nanogpt: Path | None = None,
+          mingpt: Path | None = None, checkouts: dict[str, Path] | None = None) -> None:
+    """Keep ``outdir``'s timings (as ``label``) and third-party counters, then predict and
+    write the page (the third-party jobs these checkouts allow)."""
+    import gpu_thirdparty
+
     if outdir is not None:
         add_session(outdir, label or outdir.name)
+        gpu_thirdparty.keep(json.loads((outdir / "results.json").read_text()))
+    third = table_text(["run", "card allocated", "predicted", "error", "card reserved",
+                        "predicted", "error", "note"],
+                       gpu_thirdparty.rows(nanogpt, mingpt, checkouts or {}), THIRD_PARTY)
     rows, allocated, reserved = prediction_rows()
     card = json.loads((FIXTURES / "mlp_adam" / "counters.json").read_text())
     software = (f"{card['memprof_run']['name']}, driver {card['memprof_run']['driver']},"
@@ -154,13 +173,11 @@ kept apart as torch 2.11 keeps it (`TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`; 2.12 an
 share the cuBLAS one by default). `context MiB` is NVML's
 memory for the process less `memory_reserved()`: the CUDA context, now the H200's entry in
 the virtual GPU's card table. Not modelled: cuDNN's convolution workspaces (`cnn`'s
-backward requests 0.7-1.3 MB blocks that open a 20 MiB segment) and attention kernels'
-scratch (`transformer_real_bf16` ran on cuDNN's attention, where the virtual GPU picks
-flash: two 8-byte blocks per forward and 256 bytes briefly, where flash keeps a 16- and
-an 8-byte block; in backward one 24 MiB fp32 block, freed at once, where flash's model
-makes a 24 MiB and a 384 KiB one; it did not reach the peak). In the fp32 GPT-2-small
-run every request is predicted, size for size, but the 9 of CUB's temporary storage
-inside the embedding backward.
+backward requests 0.7-1.3 MB blocks that open a 20 MiB segment). Attention's and the
+embedding backward's scratch is modelled kernel by kernel from what the card requested
+(`kernel_scratch_probe.py`, `tests/test_kernel_scratch.py`): cuDNN's attention, which
+torch 2.11 picks first on this card, flash's split-KV accumulators, memory-efficient
+attention's dQ tiles, CUB's temporary storage.
 """
     header = ["run", "command", "card allocated", "predicted", "error", "card reserved",
               "predicted", "error", "context MiB"]
@@ -190,5 +207,6 @@ records since), and memprof's role hooks. Each session names the memprof it meas
 """)
     write_text("gpu-validation", "\n".join([
         "## The virtual GPU against the card\n", table_text(header, rows, notes),
+        "## Scripts nobody here wrote, on the card and on the virtual GPU\n", third,
         "## What memprof run changes on the card\n", unchanged,
         "## What memprof run costs on the card\n", timing]))

@@ -96,12 +96,15 @@ class Device:
         return ran
 
     def memprof(self, name: str, script: list[str], where: str, options: list[str] = (),
-                env: dict[str, str] | None = None) -> dict[str, Any]:
-        """``memprof run`` of a sample into ``OUTDIR/WHERE/NAME``: its report's facts."""
+                env: dict[str, str] | None = None, cwd: Path | None = None
+                ) -> dict[str, Any]:
+        """``memprof run`` of a sample (or of a script in ``cwd``, run there) into
+        ``OUTDIR/WHERE/NAME``: its report's facts."""
         folder = self.out / where / name
         ran = self.command(f"{where}-{name}", [sys.executable, "-m", "memprof", "run", "-f",
                                                "-o", str(folder), *options,
-                                               str(SAMPLES / script[0]), *script[1:]], env)
+                                               str((cwd or SAMPLES) / script[0]), *script[1:]],
+                           env, cwd=cwd or ROOT)
         report = folder / "report.json"
         if report.is_file():
             ran["report"] = json.loads(report.read_text())["run"]
@@ -128,7 +131,26 @@ def nanogpt_argv(checkout: Path, out: Path) -> list[str]:
             f"--out_dir={out / 'nanogpt-out'}"]
 
 
-PHASES = ("fixtures", "oom", "overhead", "virtual", "tests")
+def third_party(run: Device, nanogpt: Path | None, mingpt: Path | None,
+                groundtruth: dict[str, Path]) -> None:
+    """Training scripts nobody here wrote, on the card (``gpu_thirdparty.py``): PyTorch's
+    counters under plain python and, for the third-party ones, ``memprof run``'s GPU
+    snapshot."""
+    from gpu_thirdparty import jobs
+
+    found = run.results.setdefault("third_party", {})
+    for job in jobs(nanogpt, mingpt, groundtruth, run.out):
+        if run.phase(f"third-party {job.name}", 60):
+            slug = job.name.replace(" ", "-").replace(":", "")
+            found[job.name] = {"plain": run.probe(f"plain-{slug}", job.argv, cwd=job.cwd,
+                                                  env=job.env)}
+            if job.recorded:
+                found[job.name]["gpu"] = run.memprof(slug, job.argv, "third-party",
+                                                     env=job.env, cwd=job.cwd)
+            run.save()
+
+
+PHASES = ("fixtures", "oom", "overhead", "third-party", "virtual", "tests")
 WORKLOADS = ("eager", "compile", "nanogpt")
 # memprof's GPU path a part at a time (gpu_probe.py): what each costs
 PARTS = {"history-all": {"PROBE_HISTORY": "all"}, "history-alloc": {"PROBE_HISTORY": "alloc"},
@@ -137,7 +159,8 @@ PARTS = {"history-all": {"PROBE_HISTORY": "all"}, "history-alloc": {"PROBE_HISTO
 
 def device(out: Path, seconds: float, nanogpt: Path | None, phases: tuple[str, ...] = PHASES,
            runs: tuple[str, ...] = tuple(RUNS), parts: bool = False,
-           workloads: tuple[str, ...] = WORKLOADS) -> None:
+           workloads: tuple[str, ...] = WORKLOADS, mingpt: Path | None = None,
+           groundtruth: dict[str, Path] | None = None) -> None:
     """Everything the card can tell, most important first: the ``phases`` asked for, the
     fixture and virtual phases over ``runs``, the overhead phase over ``workloads``; with
     ``parts``, those also run under each part of memprof's GPU path alone."""
@@ -161,6 +184,8 @@ def device(out: Path, seconds: float, nanogpt: Path | None, phases: tuple[str, .
         run.save()
     if "overhead" in phases:
         overhead(run, nanogpt, parts, workloads)
+    if "third-party" in phases:
+        third_party(run, nanogpt, mingpt, groundtruth)
     for name in runs if "virtual" in phases else ():
         if run.phase(f"virtual-{name}", 30):
             run.results.setdefault(name, {})["virtual"] = run.memprof(
@@ -203,7 +228,13 @@ def main() -> None:
     parser.add_argument("outdir", nargs="?", type=Path,
                         help="device: where results go; table: a device folder to read")
     parser.add_argument("--seconds", type=float, default=420, help="device: time budget")
-    parser.add_argument("--nanogpt", type=Path, help="device: a nanoGPT checkout to time")
+    parser.add_argument("--nanogpt", type=Path,
+                        help="a nanoGPT checkout to time and record (table: to predict)")
+    parser.add_argument("--mingpt", type=Path,
+                        help="a minGPT checkout to record (table: to predict)")
+    parser.add_argument("--groundtruth", nargs="*", default=[], metavar="CHECKOUT",
+                        help="ground-truth checkouts whose runs to record again (table: to"
+                             " predict)")
     parser.add_argument("--phases", default=",".join(PHASES),
                         help=f"device: which of {', '.join(PHASES)} to run")
     parser.add_argument("--runs", default=",".join(RUNS),
@@ -214,16 +245,22 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true",
                         help="device: time each part of memprof's GPU path alone too")
     args = parser.parse_args()
+    from groundtruth import find_checkouts
+
     if args.mode == "device":
         if args.outdir is None:
             parser.error("device needs OUTDIR")
         device(args.outdir, args.seconds, args.nanogpt.resolve() if args.nanogpt else None,
                tuple(args.phases.split(",")), tuple(args.runs.split(",")), args.parts,
-               tuple(args.workloads.split(",")))
+               tuple(args.workloads.split(",")),
+               args.mingpt.resolve() if args.mingpt else None,
+               find_checkouts(args.groundtruth))
     else:
         from gpu_table import write
 
-        write(args.outdir, args.label)
+        write(args.outdir, args.label, args.nanogpt.resolve() if args.nanogpt else None,
+              args.mingpt.resolve() if args.mingpt else None,
+              find_checkouts(args.groundtruth))
 
 
 if __name__ == "__main__":

@@ -256,6 +256,9 @@ x = torch.randn(64, 256, 384, device="cuda", requires_grad=True)
 y = nn.Dropout(0.2)(x) + nn.functional.dropout(x, 0.1) + torch.dropout(x, 0.1, True)
 y.sum().backward()
 nn.functional.dropout(x.detach().clone(), 0.1, inplace=True)  # in place: the unfused kernel
+mlp = nn.Linear(384, 1536).cuda()
+mlp(x.detach()).sum().backward()
+nn.utils.clip_grad_norm_(mlp.parameters(), 1.0)  # foreach, as on a card
 """
 
 
@@ -512,6 +515,11 @@ def test_dropout_keeps_cudas_boolean_mask(runs: dict[str, Future[Any]]) -> None:
     assert sizes[n] == 3  # the three out-of-place calls' masks
     # x, the outputs, the two sums, the three gradients, and the in-place call's copy and noise
     assert sizes[n * F32] == 1 + 3 + 2 + 3 + 1 + 1
+    # clip_grad_norm_ takes _foreach_norm: each chunk of 65,536 elements stages a partial
+    # norm, 9 chunks for the 589,824-element weight, for both tensors
+    clipping = [e["size"] for e in snapshot["device_traces"][0] if e["action"] == "alloc"
+                and any(f["name"] == "_get_total_norm" for f in e["frames"])]
+    assert clipping[0] == 2 * 9 * F32 and clipping[1:3] == [F32, F32]
 
 
 def test_v100_falls_back_to_math_attention(runs: dict[str, Future[Any]]) -> None:

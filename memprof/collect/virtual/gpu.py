@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _foreach_supported_types
 from torch.overrides import _get_current_function_mode_stack
+from torch.utils import _foreach_utils
 
 from memprof.collect.eager_compile import EagerCompile
 from memprof.collect.threads import inherited
@@ -76,12 +77,15 @@ class VirtualGpu:
         patches[(torch.Tensor, "pin_memory")] = _pinned
         patches[(torch.nn.Module, "to")] = module_to(torch.nn.Module.to)
         patches[(torch.autograd, "_engine_run_backward")] = self._backward
+        patches[(torch._C, "_group_tensors_by_device_and_dtype")] = _grouped_on_card(
+            torch._C._group_tensors_by_device_and_dtype)
         seen: set[int] = set()
         for (owner, name), value in patches.items():
             self._saved[(owner, name)] = getattr(owner, name, _ABSENT)
             setattr(owner, name, _copy(value) if id(value) in seen else value)
             seen.add(id(value))
-        _foreach_supported_types.append(VirtualTensor)
+        for foreach_types in _FOREACH_TYPES:  # the optimizers' list, and clip_grad's
+            foreach_types.append(VirtualTensor)
         VirtualTensor.on_create = self.recorder.adopt
         self._host_state.install()
         self._autocast = autocast.install()
@@ -114,7 +118,8 @@ class VirtualGpu:
         autocast.clear_cache()
         VirtualTensor.on_create = None
         self._host_state.remove()
-        _foreach_supported_types.remove(VirtualTensor)
+        for foreach_types in _FOREACH_TYPES:
+            foreach_types.remove(VirtualTensor)
         for (owner, name), value in self._saved.items():
             if value is _ABSENT:
                 delattr(owner, name)
@@ -123,7 +128,20 @@ class VirtualGpu:
         self._saved.clear()
 
 
+def _grouped_on_card(group: Any) -> Any:
+    """``_group_tensors_by_device_and_dtype`` keyed by the devices Python sees: C++ sees
+    virtual tensors as meta, and ``clip_grad_norm_`` would take its per-tensor path where a
+    CUDA script takes ``_foreach_norm``."""
+    def grouped(tensorlistlist: Any, with_indices: bool = False) -> Any:
+        found = group(tensorlistlist, with_indices)
+        return {(next(t.device for lists in value[0] for t in lists if t is not None), dtype):
+                value for (_, dtype), value in found.items()}
+    return grouped
+
+
 _ABSENT = object()  # a patched name the module did not have
+# the types torch takes foreach kernels for: the optimizers', and clip_grad's (torch.utils)
+_FOREACH_TYPES = (_foreach_supported_types, _foreach_utils._foreach_supported_types)
 CUDA_VERSION = "12.8"  # torch.version.cuda on the virtual GPU: the CUDA of PyTorch's wheels
 
 
