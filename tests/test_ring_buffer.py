@@ -130,3 +130,25 @@ def test_a_peak_the_ring_buffer_dropped_is_still_reported_and_gated(tmp_path: Pa
         assert "The run's peak came before them: at least 16.00 MiB allocated" in result.stderr
     assert result.code == 1 and "exceeds --max-peak 8.00 MiB" in result.stderr
     assert "so the replay starts without the segments they made" in d["replay"]["note"]
+
+
+def test_a_virtual_snapshot_per_step_is_the_trace_then_even_after_a_trim() -> None:
+    # torch.cuda.memory._snapshot() on the virtual GPU converts only the events new since
+    # the last call, and starts over once the ring buffer dropped some
+    from types import SimpleNamespace
+
+    from memprof.collect.virtual.cuda_api import HistoryWindow
+
+    stack = (("train.py", 3, "main"),)
+    trace: list[tuple] = []
+    placer = SimpleNamespace(trace=trace,
+                             layout=lambda: SimpleNamespace(trace=list(trace), segments=[]))
+    window = HistoryWindow(SimpleNamespace(placer=placer), {})
+    window.record()  # from the first event on
+    trace += [("alloc", 512 * i, 512, 0, i, stack) for i in range(6)]
+    for _ in range(2):
+        trace.append(("free_requested", 0, 512, 0, len(trace), stack))
+        assert window.snapshot()["device_traces"][0] == as_snapshot_events(trace)
+    del trace[2:4]  # the ring buffer keeps the first event, drops two after it, and
+    trace += [("alloc", 512 * i, 512, 0, i, stack) for i in range(8, 11)]  # goes on
+    assert window.snapshot()["device_traces"][0] == as_snapshot_events(trace)

@@ -237,6 +237,11 @@ class HistoryWindow:
         self._settings = settings
         self._start: int | None = None
         self._end: int | None = None
+        # the trace's events as snapshots hold them, converted once (a script may take a
+        # snapshot per step): the events converted, and their stacks, by the stack's id
+        self._converted: list[dict[str, Any]] = []
+        self._stacks: dict[int, list[dict[str, Any]]] = {}
+        self._ends: tuple[object, object] = (None, None)  # the first and last converted
 
     def record(self, enabled: object = "all", *args: object, **kwargs: object) -> None:
         trace = self._recorder.placer.trace
@@ -248,9 +253,20 @@ class HistoryWindow:
     def snapshot(self) -> dict[str, Any]:
         """The predicted snapshot as ``torch.cuda.memory._snapshot()`` returns it."""
         layout = self._recorder.placer.layout()
-        trace = [] if self._start is None else layout.trace[self._start:self._end]
-        return {"segments": layout.segments, "device_traces": [as_snapshot_events(trace)],
+        events = [] if self._start is None else self._events(layout.trace)[self._start:self._end]
+        return {"segments": layout.segments, "device_traces": [events],
                 "allocator_settings": self._settings, "external_annotations": []}
+
+    def _events(self, trace: list[Any]) -> list[dict[str, Any]]:
+        """``trace`` as a snapshot holds it, converting only the events new since the last
+        snapshot (all of them once the ring buffer has dropped some)."""
+        done = len(self._converted)
+        first, last = self._ends
+        if done and (len(trace) < done or trace[0] is not first or trace[done - 1] is not last):
+            self._converted, self._stacks, done = [], {}, 0
+        self._converted += as_snapshot_events(trace[done:], self._stacks)
+        self._ends = (trace[0], trace[-1]) if trace else (None, None)
+        return list(self._converted)
 
     def dump(self, filename: str = "dump_snapshot.pickle") -> None:
         with open(filename, "wb") as f:
