@@ -200,8 +200,7 @@ def _efficient_attention_backward(args: tuple, card: Card) -> Scratch:
     for fp32, its product and sum, and the dQ accumulator; the gradients are its outputs."""
     grad_out, query, value = args[0], args[1], args[3]
     batch, heads, rows, dim = query.shape
-    copied = () if grad_out.transpose(1, 2).is_contiguous() else (
-        grad_out.numel() * grad_out.element_size(),)
+    copied = _bshd_copy(grad_out)
     delta = batch * heads * rows * 4
     launches: tuple[tuple[int, ...], ...] = ()
     if query.dtype == torch.float32:  # freed: the sum, the product
@@ -212,6 +211,14 @@ def _efficient_attention_backward(args: tuple, card: Card) -> Scratch:
         tiles = -(-rows // 64) * -(-dim // width) * floats
         launches += ((batch * heads * (-(-tiles // 4) * 4) * 4,),)
     return Scratch((delta, *launches), copied)
+
+
+def _bshd_copy(grad_out: torch.Tensor) -> tuple[int, ...]:
+    """The copy a fused attention backward makes of a gradient (B, H, S, D) whose memory is
+    not laid out (B, S, H, D), as its kernels read it; () for none."""
+    if grad_out.transpose(1, 2).is_contiguous():
+        return ()
+    return (grad_out.numel() * grad_out.element_size(),)
 
 
 def _dq_tile(dtype: torch.dtype, dim: int, card: Card) -> tuple[int, int] | None:
@@ -270,8 +277,7 @@ def _flash_attention_backward(args: tuple) -> Scratch:
     freed first."""
     grad_out = args[0]
     batch, heads, rows, dim = args[1].shape
-    copied = () if grad_out.transpose(1, 2).is_contiguous() else (
-        grad_out.numel() * grad_out.element_size(),)
+    copied = _bshd_copy(grad_out)
     rows = -(-rows // 128) * 128
     return Scratch((batch * heads * rows * 4, (batch * rows * heads * _rounded_head(dim) * 4,)),
                    copied)

@@ -23,12 +23,11 @@ from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
 from memprof.collect.virtual import kernel_memory
 from memprof.collect.virtual.accumulate import ADD, accumulates_in_place
 from memprof.collect.virtual.cards import Card
-from memprof.collect.virtual.tensor import VirtualTensor
+from memprof.collect.virtual.tensor import CUDNN_ATTENTION, VirtualTensor
 from memprof.collect.virtual.workspaces import CublasWorkspaces, blas_workspace_sizes
 from memprof.trace.events import ADDR, STACK, TIME_US, OomEvent, Stack, TraceEvent
 from memprof.trace.model import WORKSPACE, AllocatorSettings
 
-_CUDNN_ATTENTION = torch.ops.aten._scaled_dot_product_cudnn_attention.default
 _COLLECT = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
 
 
@@ -103,7 +102,7 @@ class VirtualRecorder(StorageTracker):
         virtual = [t for t in tensors_in(out) if type(t) is VirtualTensor]  # not host ones
         if not virtual:
             return
-        if func is _CUDNN_ATTENTION:  # MHA.cpp makes the RNG seed and offset first
+        if func is CUDNN_ATTENTION:  # MHA.cpp makes the RNG seed and offset first
             virtual = virtual[-2:] + virtual[:-2]
         found = None  # what the kernel requests beyond its outputs (``kernel_memory.py``)
         if func is not None and getattr(func, "_opname", None) in kernel_memory.NAMES:

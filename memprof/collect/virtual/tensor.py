@@ -33,7 +33,7 @@ _TO_COPY = torch.ops.aten._to_copy.default
 _EFFICIENT_ATTENTION = torch.ops.aten._scaled_dot_product_efficient_attention.default
 # its meta kernel makes a logsumexp even when none is asked for (compute_log_sumexp false,
 # as in inference): the CUDA kernel then allocates none
-_CUDNN_ATTENTION = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+CUDNN_ATTENTION = torch.ops.aten._scaled_dot_product_cudnn_attention.default
 _run_meta = MetaCache()
 _told = False
 
@@ -153,7 +153,7 @@ class VirtualTensor(torch.Tensor):
             raise unsupported_operator(func) from None
         if getattr(func, "_opname", None) == "mse_loss":  # the scalar keeps the loss's storage
             out = _on_storage_of(out, output_storage_bytes(func, args))
-        if func is _CUDNN_ATTENTION and not args[4]:
+        if func is CUDNN_ATTENTION and not args[4]:
             out = (out[0], out[1].new_empty((*out[1].shape[:2], 0, 1)), *out[2:])
         on_device = not to_host and (_any_virtual(args) or _any_virtual(kwargs.values()))
         wrap = VirtualTensor if on_device else HostVirtualTensor
