@@ -21,7 +21,6 @@ from test_run_cli import LEAK, MLP, flags, load_sample
 
 from memprof.collect.cpu_recorder import CpuRecorder
 from memprof.collect.hook_labels import (
-    Sighting,
     label_trace,
     sequence_clock,
     sequence_times,
@@ -45,33 +44,33 @@ def _free(addr: int, size: int, t: int) -> list[dict[str, Any]]:
 
 def test_a_reused_address_labels_the_alloc_live_when_seen() -> None:
     trace = [_alloc(0x1000, 512, 10), *_free(0x1000, 512, 20), _alloc(0x1000, 512, 30)]
-    sightings = [Sighting(35, 0x1000, 400, "activations")]
+    sightings = [(35, 0x1000, 400, "activations")]
     assert label_trace(trace, sightings) == [[0, "temporaries"], [3, "activations"]]
-    assert label_trace(trace, [Sighting(15, 0x1000, 400, "gradients")]) == [
+    assert label_trace(trace, [(15, 0x1000, 400, "gradients")]) == [
         [0, "gradients"], [3, "other"]]
 
 
 def test_the_latest_alloc_wins_a_tie_and_a_freed_one_yields_to_the_next() -> None:
     # freed and reallocated within one microsecond, seen in it: the new block
     trace = [_alloc(0x1000, 512, 10), *_free(0x1000, 512, 30), _alloc(0x1000, 512, 30)]
-    assert label_trace(trace, [Sighting(30, 0x1000, 512, "activations")])[1] == [
+    assert label_trace(trace, [(30, 0x1000, 512, "activations")])[1] == [
         3, "activations"]
     # the hook's clock reads 29 for a block the allocator stamped 30: the live one is next
     trace = [_alloc(0x1000, 512, 10), *_free(0x1000, 512, 20), _alloc(0x1000, 512, 30)]
-    assert label_trace(trace, [Sighting(29, 0x1000, 512, "parameters")])[1] == [
+    assert label_trace(trace, [(29, 0x1000, 512, "parameters")])[1] == [
         3, "parameters"]
 
 
 def test_a_block_too_small_for_the_storage_is_not_its_block() -> None:
     trace = [_alloc(0x1000, 512, 10)]
-    assert label_trace(trace, [Sighting(11, 0x1000, 513, "parameters")]) == [[0, "other"]]
+    assert label_trace(trace, [(11, 0x1000, 513, "parameters")]) == [[0, "other"]]
 
 
 def test_the_first_category_in_order_wins_and_other_addresses_are_ignored() -> None:
     trace = [_alloc(0x1000, 1024, 10), _alloc(0x2000, 512, 11), *_free(0x2000, 512, 12)]
-    sightings = [Sighting(11, 0x1000, 1024, "activations"),
-                 Sighting(12, 0x1000, 1024, "parameters"),
-                 Sighting(12, 0x9000, 512, "gradients")]
+    sightings = [(11, 0x1000, 1024, "activations"),
+                 (12, 0x1000, 1024, "parameters"),
+                 (12, 0x9000, 512, "gradients")]
     assert label_trace(trace, sightings) == [[0, "parameters"], [1, "temporaries"]]
 
 
@@ -84,7 +83,7 @@ def test_unseen_blocks_that_live_on_are_blas_workspaces_by_size_and_call() -> No
              {**_alloc(3 << 30, lt, 4), "frames": batch},  # a batch the script keeps
              {**_alloc(4 << 30, cublas, 5), "frames": []},  # the backward thread's
              {**_alloc(5 << 30, lt, 6), "frames": []}, *_free(5 << 30, lt, 7)]
-    seen = [Sighting(1, 0, 512, "parameters")]
+    seen = [(1, 0, 512, "parameters")]
     assert label_trace(trace, seen, workspaces=(cublas, lt)) == [
         [0, "parameters"], [1, "workspace"], [2, "workspace"], [3, "other"],
         [4, "workspace"], [5, "temporaries"]]
@@ -96,7 +95,7 @@ def test_a_forward_marks_a_modules_parameters_again_only_when_they_moved() -> No
     model = torch.nn.Linear(4, 4)
     with HookLabeller() as labeller:
         def parameters_seen() -> list[int]:
-            return [s.addr for s in labeller.sightings if s.category == "parameters"]
+            return [addr for _, addr, _, category in labeller.sightings if category == "parameters"]
         model(torch.ones(2, 4))
         first = parameters_seen()
         model(torch.ones(2, 4))
@@ -128,8 +127,8 @@ def test_a_sequence_clock_and_step_ends() -> None:
     times = sequence_times(trace)
     position = sequence_clock(trace[:1])  # after the first event
     assert (times, position()) == ([1, 3, 5, 7], 2)
-    assert label_trace(trace, [Sighting(2, 0x1000, 8, "gradients"),
-                               Sighting(8, 0x1000, 8, "optimizer_state")], times) == [
+    assert label_trace(trace, [(2, 0x1000, 8, "gradients"),
+                               (8, 0x1000, 8, "optimizer_state")], times) == [
         [0, "gradients"], [3, "optimizer_state"]]
     assert step_ends(times, [6, 8]) == [3, 4]
     assert step_ends([5, 7, 7, 9], [7, 8, 100]) == [3, 3, 4]
@@ -252,7 +251,7 @@ def test_a_compiled_model_compiles_whole_under_the_labeller() -> None:
     # PyTorch warns that global module hooks (memprof's) fire again for the compiled
     # wrapper: the script's output must not change
     assert not [w for w in caught if "global hooks" in str(w.message)]
-    seen = Counter(s.category for s in labeller.sightings)
+    seen = Counter(category for *_, category in labeller.sightings)
     # 4 parameters (seen by the optimizer), their gradients each step, Adam's 3 tensors each
     assert seen == {"parameters": 4, "gradients": 8, "optimizer_state": 12,
                     "activations": seen["activations"]}

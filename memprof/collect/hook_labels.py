@@ -18,7 +18,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from memprof.trace.events import ACTION, ADDR, SIZE, TraceEvent
 from memprof.trace.model import (
@@ -37,14 +37,10 @@ _FREES = ("free_requested", "free_completed")
 _NEVER = float("inf")  # the end of a block the trace never frees
 
 
-class Sighting(NamedTuple):
-    """A storage seen in a role: when, where, how large, which category (a named tuple:
-    made in every saved-tensor hook, where a frozen dataclass costs twice as much)."""
-
-    at: int
-    addr: int
-    nbytes: int
-    category: str
+# A storage seen in a role: (when, where, how large, which category). A plain tuple, made in
+# every saved-tensor hook: the garbage collector stops tracking a tuple of ints and strings,
+# never a named tuple, whose millions would make each full collection longer.
+Sighting = tuple[int, int, int, str]
 
 
 @dataclass
@@ -98,13 +94,13 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
     if blocks is None:
         blocks = blocks_by_address(trace, event_times(trace) if times is None else times)
     best: dict[int, str] = {}
-    for seen in sightings:
-        here = blocks.get(seen.addr)
-        index = live_alloc(here, seen.at, seen.nbytes) if here is not None else None
+    for at, addr, nbytes, category in sightings:
+        here = blocks.get(addr)
+        index = live_alloc(here, at, nbytes) if here is not None else None
         if index is not None:
             current = best.get(index)
-            if current is None or _RANK[seen.category] < _RANK[current]:
-                best[index] = seen.category
+            if current is None or _RANK[category] < _RANK[current]:
+                best[index] = category
     freed = {i for b in blocks.values() for i, end in zip(b.events, b.ends, strict=True)
              if end != _NEVER}
     labels = []
@@ -145,11 +141,10 @@ def tag_trace(trace: Sequence[Event], tags: Sequence[Sighting], labels: Sequence
         blocks = blocks_by_address(trace, event_times(trace) if times is None else times)
     saved: set[int | None] = set()
     read: set[int | None] = set()
-    for seen in tags:
-        here = blocks.get(seen.addr)
+    for at, addr, nbytes, category in tags:
+        here = blocks.get(addr)
         if here is not None:
-            (read if seen.category == READ else saved).add(
-                live_alloc(here, seen.at, seen.nbytes))
+            (read if category == READ else saved).add(live_alloc(here, at, nbytes))
     return [[i, EVAL_ACTIVATIONS] for i, category in labels
             if category == ACTIVATIONS and i in saved and i not in read]
 

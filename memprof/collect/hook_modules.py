@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from operator import itemgetter
+from typing import Any
 
 from memprof.collect.hook_labels import (
     Blocks,
@@ -32,22 +33,12 @@ from memprof.collect.hook_labels import (
     live_alloc,
 )
 
-
-class Mark(NamedTuple):
-    """From ``at`` on, ``path`` runs; ``claims``: an alloc at the same moment is after it."""
-
-    at: int
-    path: str | None
-    claims: bool
-
-
-class Owner(NamedTuple):
-    """The storage at ``addr`` of ``nbytes`` is a parameter or buffer of ``path``."""
-
-    at: int
-    addr: int
-    nbytes: int
-    path: str
+# (at, path, claims): from ``at`` on, ``path`` runs; ``claims``: an alloc at the same moment
+# is after it. A plain tuple, as ``Sighting``: a run makes two at every module call.
+Mark = tuple[int, str | None, bool]
+# (at, addr, nbytes, path): the storage at ``addr`` of ``nbytes`` is a parameter or buffer
+# of ``path``
+Owner = tuple[int, int, int, str]
 
 
 def module_trace(trace: Sequence[Event], marks: Sequence[Mark], owners: Sequence[Owner],
@@ -57,18 +48,18 @@ def module_trace(trace: Sequence[Event], marks: Sequence[Mark], owners: Sequence
     holding a module's own parameter or buffer; ``times``: the clock of the marks
     (``event_times`` by default); ``blocks``: the trace's ``blocks_by_address``, if made."""
     times = event_times(trace) if times is None else times
-    marks = sorted(marks, key=lambda m: m.at)  # threads append in their own order
-    starts = [m.at for m in marks]
+    marks = sorted(marks, key=itemgetter(0))  # threads append in their own order
+    starts = [m[0] for m in marks]
     paths: dict[int, str] = {}
     for i, e in enumerate(trace):
         if action_of(e) == "alloc" and (path := _running(marks, starts, times[i])) is not None:
             paths[i] = path
     blocks = blocks_by_address(trace, times) if blocks is None else blocks
-    for owner in owners:
-        here = blocks.get(owner.addr)
-        index = live_alloc(here, owner.at, owner.nbytes) if here is not None else None
+    for at, addr, nbytes, path in owners:
+        here = blocks.get(addr)
+        index = live_alloc(here, at, nbytes) if here is not None else None
         if index is not None:
-            paths.setdefault(index, owner.path)
+            paths.setdefault(index, path)
     return [[i, paths[i]] for i in sorted(paths)]
 
 
@@ -77,6 +68,6 @@ def _running(marks: Sequence[Mark], starts: Sequence[int], at: int) -> str | Non
     of the last mark before it."""
     first = bisect_left(starts, at)
     for k in range(bisect_right(starts, at, lo=first) - 1, first - 1, -1):
-        if marks[k].claims:
-            return marks[k].path
-    return marks[first - 1].path if first else None
+        if marks[k][2]:  # claims
+            return marks[k][1]
+    return marks[first - 1][1] if first else None

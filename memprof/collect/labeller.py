@@ -129,14 +129,14 @@ class HookLabeller(RoleHooks):
             super()._on_forward(module, args)  # marks the module's parameters and buffers
         finally:
             self._owner = None
-        self.marks.append(Mark(self._clock(), path, True))  # after the hook's own work
+        self.marks.append((self._clock(), path, True))  # after the hook's own work
 
     def _on_exit(self, module: torch.nn.Module, args: object, output: object) -> None:
         if torch.compiler.is_compiling():
             return
         at = self._clock()
         self._stack.exit(module)
-        self.marks.append(Mark(at, self._stack.current(), False))
+        self.marks.append((at, self._stack.current(), False))
 
     def _end_step(self) -> None:
         super()._end_step()
@@ -159,19 +159,19 @@ class HookLabeller(RoleHooks):
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         path = self._stack.current()
-        if not self.marks or self.marks[-1].path != path:
-            self.marks.append(Mark(self._clock(), path, True))
+        if not self.marks or self.marks[-1][1] != path:
+            self.marks.append((self._clock(), path, True))
         return t
 
     def _backward_done(self) -> None:
         self._in_backward = False
-        self.marks.append(Mark(self._clock(), self._stack.current(), False))
+        self.marks.append((self._clock(), self._stack.current(), False))
 
     def _mark(self, t: torch.Tensor, category: str) -> None:
         owner = self._owner if category != GRADIENTS else None
         if owner is not None and not self._noted_before(self._owned, t, owner):
             at = self._clock()
-            self.owners += [Owner(at, st.data_ptr(), st.nbytes(), owner)
+            self.owners += [(at, st.data_ptr(), st.nbytes(), owner)
                             for st in storages_behind(t)]
         if category == ACTIVATIONS or not self._noted_before(self._noted, t, category):
             self._sight(self.sightings, t, category)
@@ -181,7 +181,7 @@ class HookLabeller(RoleHooks):
         for st in storages_behind(t):
             nbytes = st.nbytes()
             if nbytes:
-                into.append(Sighting(at, st.data_ptr(), nbytes, category))
+                into.append((at, st.data_ptr(), nbytes, category))
 
     @staticmethod
     def _noted_before(noted: _Noted, t: torch.Tensor, what: str) -> bool:

@@ -30,6 +30,7 @@ from memprof.collect.forward_facts import ForwardFacts
 from memprof.collect.model_facts import model_facts
 from memprof.collect.step_pace import END, MOVE, StepPace
 from memprof.collect.storages import tensors_in
+from memprof.collect.weak_ids import WeakIdMap
 from memprof.trace.model import (
     ACTIVATIONS,
     BUFFERS,
@@ -58,8 +59,7 @@ class RoleHooks:
         self._forward = ForwardFacts()
         self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         # each module's parameter and buffer addresses when its forward last marked them
-        self._held: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, ...]] = \
-            weakref.WeakKeyDictionary()
+        self._held: WeakIdMap[tuple[int, ...]] = WeakIdMap()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         # no reference to the parameters, weak ones included: Module._apply (model.half())
         # swaps a tensor subclass's parameters in place, which a weak reference forbids
@@ -147,13 +147,13 @@ class RoleHooks:
     def _on_forward(self, module: torch.nn.Module, args: object) -> None:
         if torch.compiler.is_compiling():  # traced into a compiled graph: leave it as it is
             return
-        self._modules.add(module)
         self._forward.before(module)
-        if self._autocast is None:
+        if self._autocast is None and torch._C._is_any_autocast_enabled():
             self._autocast = _autocast_dtype(module)
         held = _addresses(module)
         if held is not None and self._held.get(module) == held:
             return  # the same storages as its last forward marked: nothing new to see
+        self._modules.add(module)
         for p in module._parameters.values():
             if p is not None:
                 self._watch_param(p)
@@ -208,9 +208,12 @@ def _addresses(module: torch.nn.Module) -> tuple[int, ...] | None:
     """Where a module's parameters and buffers are (a forward marks them only when this
     changes: most forwards of a training run see the same storages); None for tensors
     without a storage of their own (subclasses), which are always marked."""
+    params, buffers = module._parameters, module._buffers
+    if not params and not buffers:  # a module call's hot path: most modules hold nothing
+        return ()
     try:
-        return (*(p.data_ptr() for p in module._parameters.values() if p is not None),
-                *(b.data_ptr() for b in module._buffers.values() if b is not None))
+        return (*[p.data_ptr() for p in params.values() if p is not None],
+                *[b.data_ptr() for b in buffers.values() if b is not None])
     except RuntimeError:
         return None
 
