@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
-from memprof.trace.events import ACTION, ADDR, SIZE, TraceEvent
+import numpy as np
+
+from memprof.trace.events import ACTION, ADDR, SIZE, TraceEvent, is_recorded
 from memprof.trace.model import (
     ACTIVATIONS,
     CATEGORIES,
@@ -33,7 +36,8 @@ from memprof.trace.model import (
 Event = dict[str, Any]
 READ = "read"  # a tag sighting: a backward unpacked the storage
 _RANK = {category: rank for rank, category in enumerate(CATEGORIES)}
-_FREES = ("free_requested", "free_completed")
+_OTHER, _ALLOC, _FREE = 0, 1, 2  # an event's kind, as Allocs reads it
+_KINDS = {"alloc": _ALLOC, "free_requested": _FREE, "free_completed": _FREE}
 _NEVER = float("inf")  # the end of a block the trace never frees
 
 
@@ -43,14 +47,66 @@ _NEVER = float("inf")  # the end of a block the trace never frees
 Sighting = tuple[int, int, int, str]
 
 
-@dataclass
-class Blocks:
-    """The allocs made at one address, in trace order."""
+class Allocs:
+    """A trace's allocs: in trace order (``events``, ``times``, whether each is ``freed``),
+    and by address, for ``live``."""
 
-    times: list[int] = field(default_factory=list)
-    events: list[int] = field(default_factory=list)  # alloc event indices
-    sizes: list[int] = field(default_factory=list)
-    ends: list[float] = field(default_factory=list)  # free time; inf while never freed
+    def __init__(self, trace: Sequence[Event], times: Sequence[int]) -> None:
+        kind, addr, size = _columns(trace)
+        clock = np.asarray(times, np.int64)
+        moved = np.flatnonzero(kind != _OTHER)
+        order = moved[np.argsort(addr[moved], kind="stable")]  # by address, then trace order
+        at_addr, kinds = addr[order], kind[order]
+        first = np.flatnonzero(kinds == _ALLOC)
+        # a block's life ends at the free right after it at its address (a free_completed
+        # after a free_requested, or a free with no alloc before it, ends nothing)
+        last = len(order) - 1
+        ended = first[(first < last) & (kinds[np.minimum(first + 1, last)] == _FREE)
+                      & (at_addr[np.minimum(first + 1, last)] == at_addr[first])]
+        ends = np.full(len(first), _NEVER)
+        ends[np.searchsorted(first, ended)] = clock[order[ended + 1]]
+        by_addr = order[first]
+        self._events: list[int] = by_addr.tolist()
+        self._times: list[int] = clock[by_addr].tolist()
+        self._sizes: list[int] = size[by_addr].tolist()
+        self._ends: list[float] = ends.tolist()
+        addresses, starts, counts = np.unique(at_addr[first], return_index=True,
+                                              return_counts=True)
+        self._range = dict(zip(addresses.tolist(),
+                               zip(starts.tolist(), (starts + counts).tolist(), strict=True),
+                               strict=True))
+        self.events = np.flatnonzero(kind == _ALLOC)  # in trace order
+        self.times = clock[self.events]
+        freed = np.zeros(len(trace), bool)
+        freed[by_addr[ends != _NEVER]] = True
+        self.freed = freed[self.events]
+
+    def live(self, addr: int, at: int, nbytes: int) -> int | None:
+        """The alloc event at ``addr`` live at ``at`` that can hold a storage of ``nbytes``:
+        the last one made at or before it, or when that one was already freed (clocks that
+        disagree by a microsecond), the next one."""
+        span = self._range.get(addr)
+        if span is None:
+            return None
+        lo, hi = span
+        k = bisect_right(self._times, at, lo, hi) - 1
+        if k >= lo and self._ends[k] < at:
+            k += 1
+        k = max(k, lo)
+        if k < hi and self._sizes[k] >= nbytes:
+            return self._events[k]
+        return None
+
+
+def _columns(trace: Sequence[Event]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each event's kind (``_ALLOC``, ``_FREE``, ``_OTHER``), address and size."""
+    n = len(trace)
+    if n and is_recorded(trace[0]):  # a recorder's tuples: read a column at a time
+        actions, addr, size = (map(itemgetter(k), trace) for k in (ACTION, ADDR, SIZE))
+    else:
+        actions, addr, size = zip(*map(fields, trace), strict=True) if n else ((), (), ())
+    return (np.fromiter(map(_KINDS.get, actions, repeat(_OTHER)), np.int8, n),
+            np.fromiter(addr, np.uint64, n), np.fromiter(size, np.int64, n))
 
 
 def fields(event: Event | TraceEvent) -> tuple[str, int, int]:
@@ -84,37 +140,40 @@ def sequence_clock(events: Sequence[Event]) -> Callable[[], int]:
 
 def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
                 times: Sequence[int] | None = None, workspaces: tuple[int, int] = (0, 0),
-                blocks: dict[int, Blocks] | None = None) -> list[list[Any]]:
+                allocs: Allocs | None = None) -> list[list[Any]]:
     """``[event_index, category]`` for every alloc event of ``trace``: the first in
     ``CATEGORIES`` order among its sightings; unseen, ``temporaries`` if the trace frees
     it, ``workspace`` if it is a BLAS library's (``workspaces``: the cuBLAS and the
     separate cuBLASLt workspace's bytes, ``blas_workspace_sizes``) and ``other`` if not.
-    ``times``: the clock the sightings used (``event_times`` by default); ``blocks``: the
-    trace's ``blocks_by_address``, if made."""
-    if blocks is None:
-        blocks = blocks_by_address(trace, event_times(trace) if times is None else times)
+    ``times``: the clock the sightings used (``event_times`` by default); ``allocs``: the
+    trace's ``Allocs``, if made."""
+    if allocs is None:
+        allocs = Allocs(trace, event_times(trace) if times is None else times)
     best: dict[int, str] = {}
     for at, addr, nbytes, category in sightings:
-        here = blocks.get(addr)
-        index = live_alloc(here, at, nbytes) if here is not None else None
+        index = allocs.live(addr, at, nbytes)
         if index is not None:
             current = best.get(index)
             if current is None or _RANK[category] < _RANK[current]:
                 best[index] = category
-    freed = {i for b in blocks.values() for i, end in zip(b.events, b.ends, strict=True)
-             if end != _NEVER}
-    labels = []
+    unseen = [TEMPORARIES if freed else OTHER for freed in allocs.freed.tolist()]
+    labels = [[i, best.get(i, category)]
+              for i, category in zip(allocs.events.tolist(), unseen, strict=True)]
+    if any(workspaces):
+        _find_workspaces(trace, labels, workspaces)
+    return labels
+
+
+def _find_workspaces(trace: Sequence[Event], labels: list[list[Any]],
+                     workspaces: tuple[int, int]) -> None:
+    """Relabel the ``other`` allocs of ``labels`` that are BLAS workspaces, in place."""
     previous: Event | None = None  # the alloc before, and whether it was a workspace
     was_workspace = False
-    for i, e in enumerate(trace):
-        if action_of(e) != "alloc":
-            continue
-        category = best.get(i, TEMPORARIES if i in freed else OTHER)
-        if category == OTHER and _is_workspace(e, previous, was_workspace, workspaces):
-            category = WORKSPACE
-        labels.append([i, category])
-        previous, was_workspace = e, category == WORKSPACE
-    return labels
+    for label in labels:
+        e = trace[label[0]]
+        if label[1] == OTHER and _is_workspace(e, previous, was_workspace, workspaces):
+            label[1] = WORKSPACE
+        previous, was_workspace = e, label[1] == WORKSPACE
 
 
 def _is_workspace(alloc: Event, previous: Event | None, after_workspace: bool,
@@ -133,18 +192,16 @@ def _is_workspace(alloc: Event, previous: Event | None, after_workspace: bool,
 
 def tag_trace(trace: Sequence[Event], tags: Sequence[Sighting], labels: Sequence[Sequence[Any]],
               times: Sequence[int] | None = None,
-              blocks: dict[int, Blocks] | None = None) -> list[list[Any]]:
+              allocs: Allocs | None = None) -> list[list[Any]]:
     """``[event_index, EVAL_ACTIVATIONS]`` for every alloc labelled ``activations`` (in
     ``labels``) that an eval-mode forward saved (a sighting ``EVAL_ACTIVATIONS`` in
     ``tags``) and no backward read (no sighting ``READ``)."""
-    if blocks is None:
-        blocks = blocks_by_address(trace, event_times(trace) if times is None else times)
+    if allocs is None:
+        allocs = Allocs(trace, event_times(trace) if times is None else times)
     saved: set[int | None] = set()
     read: set[int | None] = set()
     for at, addr, nbytes, category in tags:
-        here = blocks.get(addr)
-        if here is not None:
-            (read if category == READ else saved).add(live_alloc(here, at, nbytes))
+        (read if category == READ else saved).add(allocs.live(addr, at, nbytes))
     return [[i, EVAL_ACTIVATIONS] for i, category in labels
             if category == ACTIVATIONS and i in saved and i not in read]
 
@@ -152,33 +209,3 @@ def tag_trace(trace: Sequence[Event], tags: Sequence[Sighting], labels: Sequence
 def step_ends(times: Sequence[int], ends: Sequence[int]) -> list[int]:
     """Step ends as exclusive event indices: the events at or before each end's moment."""
     return [bisect_right(times, at) for at in ends]
-
-
-def blocks_by_address(trace: Sequence[Event], times: Sequence[int]) -> dict[int, Blocks]:
-    """The allocs of ``trace`` at each address, with their times, sizes and ends."""
-    by_addr: dict[int, Blocks] = {}
-    for i, e in enumerate(trace):
-        action, addr, size = fields(e)
-        if action == "alloc":
-            b = by_addr.setdefault(addr, Blocks())
-            b.times.append(times[i])
-            b.events.append(i)
-            b.sizes.append(size)
-            b.ends.append(_NEVER)
-        elif action in _FREES:  # the first of the two ends the block's life
-            b = by_addr.get(addr)
-            if b is not None and b.ends and b.ends[-1] == _NEVER:
-                b.ends[-1] = times[i]
-    return by_addr
-
-
-def live_alloc(blocks: Blocks, at: int, nbytes: int) -> int | None:
-    """The alloc event among ``blocks`` (one address's) live at ``at`` that can hold a
-    storage of ``nbytes``."""
-    k = bisect_right(blocks.times, at) - 1
-    if k >= 0 and blocks.ends[k] < at:
-        k += 1  # freed before the sighting: the clocks disagree, the next one is live
-    k = max(k, 0)
-    if k < len(blocks.events) and blocks.sizes[k] >= nbytes:
-        return blocks.events[k]
-    return None

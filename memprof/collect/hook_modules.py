@@ -19,19 +19,13 @@ Pure: no torch; the CPU recorder's traces test it against the exact attribution.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from operator import itemgetter
 from typing import Any
 
-from memprof.collect.hook_labels import (
-    Blocks,
-    Event,
-    action_of,
-    blocks_by_address,
-    event_times,
-    live_alloc,
-)
+import numpy as np
+
+from memprof.collect.hook_labels import Allocs, Event, event_times
 
 # (at, path, claims): from ``at`` on, ``path`` runs; ``claims``: an alloc at the same moment
 # is after it. A plain tuple, as ``Sighting``: a run makes two at every module call.
@@ -43,31 +37,28 @@ Owner = tuple[int, int, int, str]
 
 def module_trace(trace: Sequence[Event], marks: Sequence[Mark], owners: Sequence[Owner],
                  times: Sequence[int] | None = None,
-                 blocks: dict[int, Blocks] | None = None) -> list[list[Any]]:
+                 allocs: Allocs | None = None) -> list[list[Any]]:
     """``[event_index, path]`` for every alloc event of ``trace`` made inside a module or
     holding a module's own parameter or buffer; ``times``: the clock of the marks
-    (``event_times`` by default); ``blocks``: the trace's ``blocks_by_address``, if made."""
-    times = event_times(trace) if times is None else times
+    (``event_times`` by default); ``allocs``: the trace's ``Allocs``, if made."""
+    if allocs is None:
+        allocs = Allocs(trace, event_times(trace) if times is None else times)
     marks = sorted(marks, key=itemgetter(0))  # threads append in their own order
-    starts = [m[0] for m in marks]
-    paths: dict[int, str] = {}
-    for i, e in enumerate(trace):
-        if action_of(e) == "alloc" and (path := _running(marks, starts, times[i])) is not None:
-            paths[i] = path
-    blocks = blocks_by_address(trace, times) if blocks is None else blocks
+    starts = np.fromiter(map(itemgetter(0), marks), np.int64, len(marks))
+    # the path running at each alloc: of the last mark at that moment that claims it,
+    # else of the last mark before it
+    first = np.searchsorted(starts, allocs.times, "left")
+    running = first - 1
+    last = np.searchsorted(starts, allocs.times, "right")
+    for j in np.flatnonzero(last > first).tolist():  # a mark at the alloc's very moment
+        claims = [k for k in range(int(last[j]) - 1, int(first[j]) - 1, -1) if marks[k][2]]
+        if claims:
+            running[j] = claims[0]
+    path_of = [path for _, path, _ in marks]
+    paths = {i: path_of[k] for i, k in zip(allocs.events.tolist(), running.tolist(), strict=True)
+             if k >= 0 and path_of[k] is not None}
     for at, addr, nbytes, path in owners:
-        here = blocks.get(addr)
-        index = live_alloc(here, at, nbytes) if here is not None else None
+        index = allocs.live(addr, at, nbytes)
         if index is not None:
             paths.setdefault(index, path)
     return [[i, paths[i]] for i in sorted(paths)]
-
-
-def _running(marks: Sequence[Mark], starts: Sequence[int], at: int) -> str | None:
-    """The path running at ``at``: of the last mark at that moment that claims it, else
-    of the last mark before it."""
-    first = bisect_left(starts, at)
-    for k in range(bisect_right(starts, at, lo=first) - 1, first - 1, -1):
-        if marks[k][2]:  # claims
-            return marks[k][1]
-    return marks[first - 1][1] if first else None

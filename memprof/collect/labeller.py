@@ -26,9 +26,9 @@ from torch.utils.hooks import RemovableHandle
 from memprof.collect.cpu_recorder import SNAPSHOT_VERSION
 from memprof.collect.hook_labels import (
     READ,
+    Allocs,
     Event,
     Sighting,
-    blocks_by_address,
     event_times,
     label_trace,
     step_ends,
@@ -102,18 +102,18 @@ class HookLabeller(RoleHooks):
         ``times`` on this labeller's clock (their ``time_us`` by default); ``workspaces``:
         the BLAS workspaces' sizes (``label_trace``)."""
         times = event_times(trace) if times is None else times
-        blocks = blocks_by_address(trace, times)
-        labels = label_trace(trace, self.sightings, times, workspaces, blocks)
+        allocs = Allocs(trace, times)
+        labels = label_trace(trace, self.sightings, times, workspaces, allocs)
         library = {i for i, category in labels if category == WORKSPACE}  # not the module's
         return {
             "version": SNAPSHOT_VERSION,
             "recorder": "cuda",
             "complete": False,
             "labels": labels,
-            "tags": tag_trace(trace, self.tags, labels, times, blocks),
+            "tags": tag_trace(trace, self.tags, labels, times, allocs),
             "steps": step_ends(times, self.steps),
             "model": self.model,
-            "modules": [m for m in module_trace(trace, self.marks, self.owners, times, blocks)
+            "modules": [m for m in module_trace(trace, self.marks, self.owners, times, allocs)
                         if m[0] not in library],
             "model_files": sorted(self._stack.files),
         }
