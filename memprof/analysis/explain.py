@@ -53,20 +53,17 @@ T = TypeVar("T")
 
 def explain(snapshot: Snapshot, source: str = "", devices: Sequence[int] | None = None,
             top: int = 10, what_ifs: Sequence[AllocatorSettings] = (),
-            rank: int | None = None, device_memory: int | None = None,
-            replays: dict[int, Replay] | None = None) -> Findings:
+            rank: int | None = None, device_memory: int | None = None) -> Findings:
     """Analyse every device of ``snapshot`` (or those in ``devices``).
 
     ``what_ifs`` replay each trace under other allocator settings; ``device_memory``
     replays it (as recorded and under each what-if) on a device of that many bytes.
-    ``replays``: a device's replay already made (``Tally``: its placement's own).
     """
     chosen = snapshot.devices if devices is None else [d for d in snapshot.devices if d in devices]
     found = []
     for d in chosen:
         try:
-            found.append(_device(snapshot, d, top, what_ifs, device_memory,
-                                 (replays or {}).get(d)))
+            found.append(_device(snapshot, d, top, what_ifs, device_memory))
         except (KeyError, IndexError, ValueError, AssertionError) as exc:
             # a well-formed file whose trace contradicts itself (or its final segments) in a
             # way the replay cannot follow: one line, not a traceback
@@ -87,14 +84,12 @@ def merge_ranks(source: str, per_rank: Sequence[Findings]) -> Findings:
 
 
 def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[AllocatorSettings],
-            device_memory: int | None, result: Replay | None = None) -> DeviceFindings:
+            device_memory: int | None) -> DeviceFindings:
     trace = snapshot.traces.get(device)
     segments = snapshot.segments_of(device)
-    if result is None or len(result.block_size) != (0 if trace is None else len(trace)):
-        # an unmodelled backend still gets the native rules for the timeline; the summary
-        # says so
-        result = replay(trace, segments, replace(snapshot.settings, backend="native"),
-                        snapshot.segment_pools.get(device))
+    # an unmodelled backend still gets the native rules for the timeline; the summary says so
+    result = replay(trace, segments, replace(snapshot.settings, backend="native"),
+                    snapshot.segment_pools.get(device))
     table = intervals(trace, result)
     n = 0 if trace is None else len(trace)
 

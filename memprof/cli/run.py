@@ -216,8 +216,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     meta = recording.snapshot["memprof"]
     recording.snapshot = {}  # the trace, written and normalised: its memory is the analysis's
     trim()
-    findings = explain(snapshot, str(folder / names["snapshot"]), top=top,
-                       replays={0: recording.replay} if recording.replay else None)
+    findings = explain(snapshot, str(folder / names["snapshot"]), top=top)
     del snapshot
     trim()  # and the analysis's scratch memory
     outcome = recording.outcome
