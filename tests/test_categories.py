@@ -23,7 +23,8 @@ def recorded_transformer() -> dict:
     spec.loader.exec_module(module)
     with CpuRecorder() as recorder:
         module.main(["--device", "cpu", "--steps", "3"])
-    return predict_cuda_layout(recorder.snapshot(), AllocatorSettings())
+    snapshot, _ = predict_cuda_layout(recorder.snapshot(), AllocatorSettings())
+    return snapshot
 
 
 def test_inference_matches_exact_labels_on_model_state(recorded_transformer):

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+import pytest
+from test_hook_labels import SAMPLES
+from test_run_cli import load_sample
+
 from memprof.analysis.explain import explain
 from memprof.analysis.layout import lay_out
+from memprof.analysis.replay import replay
+from memprof.analysis.settings import parse_alloc_conf
+from memprof.collect.cpu_recorder import CpuRecorder
 from memprof.trace.events import TraceEvent, as_snapshot_events
 from memprof.trace.normalize import normalize
 
@@ -33,3 +43,39 @@ def test_frees_keep_their_address_when_blocks_merge():
     assert d.end_reserved_bytes == 32 * MIB
     assert d.end_allocated_bytes == 30 * MIB + 1536
     assert d.peak_allocated_bytes == 30 * MIB + 2048
+
+
+def _recorded(name: str) -> list[TraceEvent]:
+    """A sample's trace as the exact CPU recorder keeps it (tuples, no CUDA addresses)."""
+    with CpuRecorder() as recorder:
+        load_sample(name).main([*SAMPLES[name], "--device", "cpu"])
+    return recorder.snapshot()["device_traces"][0]
+
+
+@pytest.mark.parametrize(("name", "conf"), [
+    ("transformer_lm", ""), ("transformer_lm", "expandable_segments:True"),
+    ("mlp_adam", "max_split_size_mb:20,roundup_power2_divisions:4")])
+def test_the_placements_own_replay_is_the_replay_of_what_it_placed(name: str, conf: str):
+    settings = parse_alloc_conf(conf)
+    layout = lay_out(_recorded(name), settings)
+    snapshot = normalize({"segments": layout.segments, "device_traces": [layout.trace],
+                          "allocator_settings": None})
+    expected = replay(snapshot.traces[0], snapshot.segments_of(0), settings)
+    assert layout.tally is not None and expected.check.addresses_matched > 0
+    tallied = layout.tally.replay(0)
+    for f in dataclasses.fields(expected):
+        got, want = getattr(tallied, f.name), getattr(expected, f.name)
+        assert np.array_equal(got, want) if isinstance(want, np.ndarray) else got == want, f.name
+
+
+def test_a_placement_with_frees_requested_first_is_replayed_alike():
+    layout = lay_out(_events([("alloc", 1, 1000), ("alloc", 2, 3 * MIB), ("free", 1, 1000),
+                              ("alloc", 3, 600), ("free", 2, 3 * MIB)]))
+    snapshot = normalize({"segments": layout.segments,
+                          "device_traces": [as_snapshot_events(layout.trace)]})
+    expected = replay(snapshot.traces[0], snapshot.segments_of(0))
+    assert layout.tally is not None
+    tallied = layout.tally.replay(0)
+    assert np.array_equal(tallied.allocated, expected.allocated)
+    assert np.array_equal(tallied.end, expected.end)
+    assert tallied.peak == expected.peak and tallied.final == expected.final

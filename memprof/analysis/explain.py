@@ -32,6 +32,7 @@ from memprof.analysis.replay import Check, Moment, Replay, replay
 from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
 from memprof.analysis.steps import WARMUP_STEPS, step_growth, step_peaks
+from memprof.analysis.tally import Tally
 from memprof.analysis.whatif import what_if
 from memprof.errors import MemprofError
 from memprof.trace.model import (
@@ -53,17 +54,21 @@ T = TypeVar("T")
 
 def explain(snapshot: Snapshot, source: str = "", devices: Sequence[int] | None = None,
             top: int = 10, what_ifs: Sequence[AllocatorSettings] = (),
-            rank: int | None = None, device_memory: int | None = None) -> Findings:
+            rank: int | None = None, device_memory: int | None = None,
+            placed: dict[int, Tally] | None = None) -> Findings:
     """Analyse every device of ``snapshot`` (or those in ``devices``).
 
     ``what_ifs`` replay each trace under other allocator settings; ``device_memory``
     replays it (as recorded and under each what-if) on a device of that many bytes.
+    ``placed``: the ``Tally`` of a device's trace that memprof placed itself, whose replay
+    is the placement's own.
     """
     chosen = snapshot.devices if devices is None else [d for d in snapshot.devices if d in devices]
     found = []
     for d in chosen:
         try:
-            found.append(_device(snapshot, d, top, what_ifs, device_memory))
+            found.append(_device(snapshot, d, top, what_ifs, device_memory,
+                                 (placed or {}).get(d)))
         except (KeyError, IndexError, ValueError, AssertionError) as exc:
             # a well-formed file whose trace contradicts itself (or its final segments) in a
             # way the replay cannot follow: one line, not a traceback
@@ -84,12 +89,14 @@ def merge_ranks(source: str, per_rank: Sequence[Findings]) -> Findings:
 
 
 def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[AllocatorSettings],
-            device_memory: int | None) -> DeviceFindings:
+            device_memory: int | None, tally: Tally | None = None) -> DeviceFindings:
     trace = snapshot.traces.get(device)
     segments = snapshot.segments_of(device)
-    # an unmodelled backend still gets the native rules for the timeline; the summary says so
-    result = replay(trace, segments, replace(snapshot.settings, backend="native"),
-                    snapshot.segment_pools.get(device))
+    if tally is not None and trace is not None and tally.events == len(trace):
+        result = tally.replay(device)
+    else:  # an unmodelled backend gets the native rules for the timeline; the summary says so
+        result = replay(trace, segments, replace(snapshot.settings, backend="native"),
+                        snapshot.segment_pools.get(device))
     table = intervals(trace, result)
     n = 0 if trace is None else len(trace)
 

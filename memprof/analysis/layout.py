@@ -18,6 +18,7 @@ from typing import Any
 
 from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.blocks import DEFAULT_POOL, Block, Segment
+from memprof.analysis.tally import Tally
 from memprof.trace.events import (
     ACTION,
     ADDR,
@@ -45,6 +46,7 @@ class Layout:
     # every private-pool segment the trace grew (a CUDA graph's), by address: the trace's
     # events do not say, and the final segments lack those already freed
     pools: dict[int, tuple[int, int]]
+    tally: Tally | None = None  # what ``replay`` would find in ``trace``, when tallied
 
 
 def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
@@ -55,7 +57,7 @@ def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
     record; event fields other than ``addr`` are kept. ``consume``: ``events`` is a list
     emptied as it is placed, so a long trace is never held twice.
     """
-    placer = Placer(CachingAllocator(settings))
+    placer = Placer(CachingAllocator(settings), tally=True)
     if consume and isinstance(events, list):
         events.reverse()
         while events:
@@ -70,10 +72,12 @@ class Placer:
     """Places events one at a time, so that the allocator's state can be read between them.
 
     ``add`` raises the allocator's :class:`OutOfMemory` for an allocation that cannot be
-    placed under its limit; the event is then not placed.
+    placed under its limit; the event is then not placed. With ``tally`` (a placement
+    that is never trimmed, ``forget``), the layout carries what ``replay`` would find
+    (``Tally``).
     """
 
-    def __init__(self, alloc: CachingAllocator) -> None:
+    def __init__(self, alloc: CachingAllocator, tally: bool = False) -> None:
         self.alloc = alloc
         self.pool = DEFAULT_POOL  # where allocations go: a private pool while a CUDA graph captures
         self.trace: list[Event] = []
@@ -85,6 +89,8 @@ class Placer:
         self._totals: dict[int, int] = {}
         self._changes = alloc.segment_changes
         self._pools: dict[int, tuple[int, int]] = {}
+        self._tally = Tally(alloc) if tally else None
+        self._placed_at: dict[int, int] = {}  # with a tally: each live block's alloc number
 
     def add(self, event: Event) -> None:
         """Place one event of the input trace."""
@@ -98,20 +104,28 @@ class Placer:
                 raise
             if alloc.segment_changes != self._changes:  # (most allocations change none)
                 self._catch_up(event[TIME_US], event[STACK])
-            self.position.append(len(out))
+            at = len(out)
+            self.position.append(at)
             self._blocks[event[ADDR]] = block
             self._stacks[block.addr] = event[STACK]
             out.append((action, block.addr, *event[SIZE:]))
+            if self._tally is not None:
+                self._placed_at[event[ADDR]] = self._tally.alloc(block, alloc)
         elif action in ("free_requested", "free_completed"):
             recorded = event[ADDR]
             block = self._blocks.get(recorded)
             if block is None:
                 self.position.append(-1)
                 return
-            self.position.append(len(out))
+            at = len(out)
+            self.position.append(at)
             out.append((action, block.addr, *event[SIZE:]))  # before a merge moves the block
+            if self._tally is not None:  # the first of a free's two events releases it
+                self._tally.release(self._placed_at[recorded] if action == "free_completed"
+                                    or block.allocated else None)
             if action == "free_completed":
                 del self._blocks[recorded]
+                self._placed_at.pop(recorded, None)
                 self._stacks.pop(block.addr, None)
                 alloc.free(block)
             elif block.allocated:
@@ -119,10 +133,13 @@ class Placer:
         else:
             self.position.append(len(out))
             out.append(event)
+            if self._tally is not None:
+                self._tally.event()
 
     def forget(self, dropped: list[int]) -> None:
         """Drop the placed copies of the input events at ``dropped`` (ascending indices;
         a ring buffer's oldest events), keeping the segment events; later positions shift."""
+        self._tally = None  # a trimmed trace is replayed as it is left
         gone_set = {self.position[i] for i in dropped} - {-1}
         gone = sorted(gone_set)
         self.trace = [e for j, e in enumerate(self.trace) if j not in gone_set]
@@ -149,23 +166,30 @@ class Placer:
         for addr, seg in before.items():
             if addr not in alloc.segments:
                 action = "segment_unmap" if seg.expandable else "segment_free"
-                self.trace.append((action, addr, seg.total, seg.stream, time_us, ()))
+                self._segment_event((action, addr, seg.total, seg.stream, time_us, ()), -1)
         for seg in alloc.segments.values() if grown_by is not None else ():
             added = seg.total - totals.get(seg.addr, 0)
             if added > 0:
                 action = "segment_map" if seg.expandable else "segment_alloc"
                 addr = seg.addr + totals.get(seg.addr, 0) if seg.expandable else seg.addr
-                self.trace.append((action, addr, added, seg.stream, time_us, grown_by))
+                self._segment_event((action, addr, added, seg.stream, time_us, grown_by), 1)
                 if seg.pool != DEFAULT_POOL:
                     self._pools[seg.addr] = seg.pool
         self._segments = dict(alloc.segments)
         self._totals = {addr: seg.total for addr, seg in alloc.segments.items()}
         self._changes = alloc.segment_changes
 
+    def _segment_event(self, event: TraceEvent, sign: int) -> None:
+        if self._tally is not None:
+            self._tally.segment(sign * event[SIZE])
+        self.trace.append(event)
+
     def layout(self, device: int = 0) -> Layout:
         """The trace so far and the allocator's segments now."""
+        if self._tally is not None:
+            self._tally.finish(self.alloc)
         return Layout(list(self.trace), snapshot_segments(self.alloc, device, self._stacks),
-                      array("q", self.position), dict(self._pools))
+                      array("q", self.position), dict(self._pools), self._tally)
 
 
 def snapshot_segments(alloc: CachingAllocator, device: int = 0,

@@ -185,7 +185,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     zeros = array("q", [0])
     block_size, delta_res, delta_pred = zeros * n, zeros * n, zeros * n
     end = array("q", [n]) * n
-    # releases that ``end`` does not show (see _allocated): event -> bytes
+    # releases that ``end`` does not show (see allocated_changes): event -> bytes
     other_releases: dict[int, int] = {}
     unplaced: list[int] = []  # alloc events whose block the simulator could not place
     live: dict[int, tuple[Block | None, int]] = {b.addr: (alloc.block_at(b.addr), -1)
@@ -267,10 +267,10 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     sizes, ends = np.frombuffer(block_size, np.int64), np.frombuffer(end, np.int64)
     return Replay(
         device=-1 if trace is None else trace.device,
-        allocated=_cumulative(initial_allocated,
-                              _allocated(sizes, ends, unplaced, other_releases)),
-        reserved=_cumulative(initial_reserved, np.frombuffer(delta_res, np.int64)),
-        reserved_predicted=_cumulative(initial_reserved, np.frombuffer(delta_pred, np.int64)),
+        allocated=cumulative(initial_allocated,
+                              allocated_changes(sizes, ends, unplaced, other_releases)),
+        reserved=cumulative(initial_reserved, np.frombuffer(delta_res, np.int64)),
+        reserved_predicted=cumulative(initial_reserved, np.frombuffer(delta_pred, np.int64)),
         block_size=sizes,
         end=ends,
         initial=initial,
@@ -283,7 +283,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     )
 
 
-def _allocated(block_size: np.ndarray, end: np.ndarray, unplaced: list[int],
+def allocated_changes(block_size: np.ndarray, end: np.ndarray, unplaced: list[int],
                other_releases: dict[int, int]) -> np.ndarray:
     """The change of allocated bytes at each event, worked out after the replay rather than
     stored at each event: each placed block counts from its alloc event until ``end`` (the
@@ -300,7 +300,7 @@ def _allocated(block_size: np.ndarray, end: np.ndarray, unplaced: list[int],
     return delta
 
 
-def _cumulative(start: int, deltas: np.ndarray) -> np.ndarray:
+def cumulative(start: int, deltas: np.ndarray) -> np.ndarray:
     """``start``, then ``start`` plus the running sum of ``deltas`` (one array, no copy)."""
     out = np.empty(len(deltas) + 1, np.int64)
     out[0] = 0

@@ -216,7 +216,8 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     meta = recording.snapshot["memprof"]
     recording.snapshot = {}  # the trace, written and normalised: its memory is the analysis's
     trim()
-    findings = explain(snapshot, str(folder / names["snapshot"]), top=top)
+    findings = explain(snapshot, str(folder / names["snapshot"]), top=top,
+                       placed={0: recording.tally} if recording.tally else None)
     del snapshot
     trim()  # and the analysis's scratch memory
     outcome = recording.outcome

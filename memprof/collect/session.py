@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from memprof.analysis.layout import Layout, lay_out
+from memprof.analysis.tally import Tally
 from memprof.collect import cuda
 from memprof.collect.alloc_events import AllocatorEvents
 from memprof.collect.apply import applied, requested
@@ -38,6 +39,7 @@ class Recording:
     facts: dict[str, Any] = field(default_factory=dict)
     oom_snapshot: dict[str, Any] | None = None
     virtual_gpu: dict[str, Any] | None = None  # the card a virtual-GPU run predicted for
+    tally: Tally | None = None  # the predicted layout's replay, tallied as it was placed
 
 
 def record(target: Target, use_cuda: bool, max_entries: int, settings: AllocatorSettings,
@@ -53,8 +55,9 @@ def record(target: Target, use_cuda: bool, max_entries: int, settings: Allocator
         outcome, seconds = run_profiled(target, profile_to, steps, seconds, ended)
     trim()  # what the script freed, before memprof's own work on the trace
     with frozen():
-        snapshot = predict_cuda_layout(recorder.snapshot(), settings)
-    return Recording(snapshot, outcome, "cpu (CUDA memory predicted)", True, seconds)
+        snapshot, tally = predict_cuda_layout(recorder.snapshot(), settings)
+    return Recording(snapshot, outcome, "cpu (CUDA memory predicted)", True, seconds,
+                     tally=tally)
 
 
 def record_cuda(target: Target, max_entries: int, profile_to: Path | None, steps: int | None,
@@ -101,13 +104,14 @@ def record_light(target: Target, max_entries: int, settings: AllocatorSettings,
                                     "run_peak": requested_peak(events.max_live_bytes)}}
             del times
             trim()
-            snapshot = predict_cuda_layout(snapshot, settings)
+            snapshot, tally = predict_cuda_layout(snapshot, settings)
     except BaseException:
         if events.recording:  # the script never ended (a second Ctrl-C): drop the events
             with contextlib.suppress(MemprofError):
                 events.stop()
         raise
-    return Recording(snapshot, outcome, "cpu, light (CUDA memory predicted)", True, seconds)
+    return Recording(snapshot, outcome, "cpu, light (CUDA memory predicted)", True, seconds,
+                     tally=tally)
 
 
 def run_profiled(target: Target, profile_to: Path | None, steps: int | None,
@@ -132,11 +136,12 @@ def run_profiled(target: Target, profile_to: Path | None, steps: int | None,
 
 
 def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
-                        layout: Layout | None = None) -> dict[str, Any]:
+                        layout: Layout | None = None) -> tuple[dict[str, Any], Tally | None]:
     """Place a GPU-less recording in CUDA memory as the caching allocator would
     (or as ``layout``, placed while it ran, already has); the recording's trace is
     consumed, so ``snapshot`` is the prediction's to keep. Its ``memprof`` key gains
-    ``segment_pools``, ``[address, pool id]`` of every private-pool segment placed."""
+    ``segment_pools``, ``[address, pool id]`` of every private-pool segment placed. With
+    the prediction, the placement's ``Tally`` when it kept one (``lay_out``'s does)."""
     layout = layout or lay_out(snapshot["device_traces"][0], settings, consume=True)
     meta = snapshot["memprof"]
     at = layout.position
@@ -154,7 +159,7 @@ def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
             "steps": [at[end - 1] + 1 if end else 0 for end in meta["steps"]],
             "segment_pools": [[addr, list(pool)] for addr, pool in sorted(layout.pools.items())],
         },
-    }
+    }, layout.tally
 
 
 def settings_dict(settings: AllocatorSettings) -> dict[str, Any]:

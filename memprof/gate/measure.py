@@ -76,5 +76,5 @@ class Measurement:
                 self._gpu.__exit__(None, None, None)
                 layout = self._gpu.recorder.placer.layout()
             self._recorder.stop()
-            snapshot = predict_cuda_layout(self._recorder.snapshot(), self._settings, layout)
+            snapshot, _ = predict_cuda_layout(self._recorder.snapshot(), self._settings, layout)
         return report_dict(explain(normalize(snapshot), "", top=self.top), "check")

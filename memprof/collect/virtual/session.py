@@ -33,7 +33,8 @@ def record_virtual(target: Target, card: Card, settings: AllocatorSettings,
         outcome, took = run_profiled(target, profile_to, steps, seconds, ended)
     trim()  # what the script freed, before memprof's own work on the trace
     with frozen():
-        snapshot = predict_cuda_layout(recorder.snapshot(), settings, gpu.recorder.placer.layout())
+        snapshot, _ = predict_cuda_layout(recorder.snapshot(), settings,
+                                          gpu.recorder.placer.layout())
     return Recording(snapshot, outcome, f"virtual {card.name}", True, took,
                      virtual_gpu=virtual_gpu_facts(card))
 
