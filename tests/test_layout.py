@@ -14,6 +14,7 @@ from memprof.analysis.layout import lay_out
 from memprof.analysis.replay import replay
 from memprof.analysis.settings import parse_alloc_conf
 from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.storages import StorageTracker
 from memprof.trace.events import TraceEvent, as_snapshot_events
 from memprof.trace.normalize import normalize
 
@@ -45,19 +46,24 @@ def test_frees_keep_their_address_when_blocks_merge():
     assert d.peak_allocated_bytes == 30 * MIB + 2048
 
 
-def _recorded(name: str) -> list[TraceEvent]:
-    """A sample's trace as the exact CPU recorder keeps it (tuples, no CUDA addresses)."""
-    with CpuRecorder() as recorder:
+def _recorded(name: str, max_entries: int | None = None) -> list[TraceEvent]:
+    """A sample's trace as the exact CPU recorder keeps it (tuples, no CUDA addresses; the
+    newest ``max_entries`` events and what is still alive, with a ring buffer)."""
+    with CpuRecorder(StorageTracker(max_entries)) as recorder:
         load_sample(name).main([*SAMPLES[name], "--device", "cpu"])
-    return recorder.snapshot()["device_traces"][0]
+    snapshot = recorder.snapshot()
+    assert (snapshot["memprof"]["dropped_events"] > 0) == (max_entries is not None)
+    return snapshot["device_traces"][0]
 
 
-@pytest.mark.parametrize(("name", "conf"), [
-    ("transformer_lm", ""), ("transformer_lm", "expandable_segments:True"),
-    ("mlp_adam", "max_split_size_mb:20,roundup_power2_divisions:4")])
-def test_the_placements_own_replay_is_the_replay_of_what_it_placed(name: str, conf: str):
+@pytest.mark.parametrize(("name", "conf", "max_entries"), [
+    ("transformer_lm", "", None), ("transformer_lm", "expandable_segments:True", None),
+    ("mlp_adam", "max_split_size_mb:20,roundup_power2_divisions:4", None),
+    ("transformer_lm", "", 300)])
+def test_the_placements_own_replay_is_the_replay_of_what_it_placed(
+        name: str, conf: str, max_entries: int | None):
     settings = parse_alloc_conf(conf)
-    layout = lay_out(_recorded(name), settings)
+    layout = lay_out(_recorded(name, max_entries), settings)
     snapshot = normalize({"segments": layout.segments, "device_traces": [layout.trace],
                           "allocator_settings": None})
     expected = replay(snapshot.traces[0], snapshot.segments_of(0), settings)
