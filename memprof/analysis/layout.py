@@ -104,8 +104,7 @@ class Placer:
                 raise
             if alloc.segment_changes != self._changes:  # (most allocations change none)
                 self._catch_up(event[TIME_US], event[STACK])
-            at = len(out)
-            self.position.append(at)
+            self.position.append(len(out))
             self._blocks[event[ADDR]] = block
             self._stacks[block.addr] = event[STACK]
             out.append((action, block.addr, *event[SIZE:]))
@@ -117,8 +116,7 @@ class Placer:
             if block is None:
                 self.position.append(-1)
                 return
-            at = len(out)
-            self.position.append(at)
+            self.position.append(len(out))
             out.append((action, block.addr, *event[SIZE:]))  # before a merge moves the block
             if self._tally is not None:  # the first of a free's two events releases it
                 self._tally.release(self._placed_at[recorded] if action == "free_completed"

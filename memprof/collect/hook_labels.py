@@ -116,11 +116,6 @@ def fields(event: Event | TraceEvent) -> tuple[str, int, int]:
     return event["action"], event.get("addr", 0), event.get("size", 0)  # "oom" has no addr
 
 
-def action_of(event: Event | TraceEvent) -> str:
-    """An event's action: a snapshot's dict or a recorder's tuple."""
-    return event[ACTION] if type(event) is tuple else event["action"]
-
-
 def event_times(trace: Sequence[Event]) -> list[int]:
     """The allocator's clock: each event's ``time_us``."""
     return [e.get("time_us", 0) for e in trace]
