@@ -7,7 +7,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -191,15 +191,12 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
             conf: str, launched: dict[str, str], top: int, limit: int | None,
             plot: BackgroundPlot | None) -> int:
     """Analyse a recording, write the run folder's files (the timeline by ``plot``; none
-    without one) and
-    print the summary; return the exit code (the script's, or 1 when its peak broke
-    ``--max-peak``)."""
-    import torch
-
+    without one) and print the summary; return the exit code (the script's, or 1 when its
+    peak broke ``--max-peak``)."""
     from memprof.analysis.explain import explain
     from memprof.collect import session
+    from memprof.forked import Forked
     from memprof.heap import trim
-    from memprof.report.console import NO_STEPS_RECORDED
     from memprof.report.json import report_dict, write_json
     from memprof.report.plot import timeline_panels, timeline_title
     from memprof.report.run_folder import write_snapshot
@@ -209,21 +206,58 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
 
     rank, world = session.rank()
     notes = Console(stderr=True, soft_wrap=True)
-    write_snapshot(recording.snapshot, folder / names["snapshot"])
-    if recording.oom_snapshot is not None:
-        write_snapshot(recording.oom_snapshot, folder / names["oom-snapshot"])
-    snapshot = normalize(recording.snapshot)
     meta = recording.snapshot["memprof"]
-    recording.snapshot = {}  # the trace, written and normalised: its memory is the analysis's
-    trim()
-    findings = explain(snapshot, str(folder / names["snapshot"]), top=top,
-                       placed={0: recording.tally} if recording.tally else None)
-    del snapshot
-    trim()  # and the analysis's scratch memory
+    files = [(recording.snapshot, folder / names["snapshot"])]
+    if recording.oom_snapshot is not None:
+        files.append((recording.oom_snapshot, folder / names["oom-snapshot"]))
+    # a forked copy of memprof writes the snapshots while this process analyses them
+    with Forked(lambda: [write_snapshot(*file) for file in files]) as writing:
+        snapshot = normalize(recording.snapshot)
+        files.clear()
+        recording.snapshot, recording.oom_snapshot = {}, None  # the copy's now: freed here
+        trim()
+        findings = explain(snapshot, str(folder / names["snapshot"]), top=top,
+                           placed={0: recording.tally} if recording.tally else None)
+        del snapshot
+        trim()  # and the analysis's scratch memory
+        if plot is not None and findings.devices:  # drawn by the plot's child meanwhile
+            plot.send(timeline_panels(findings),
+                      timeline_title(findings, " ".join(_command(target)[2:])),
+                      folder / names["timeline"])
+        facts = _facts(recording, meta, target, launched, conf)
+        write_json(report_dict(findings, "run", facts), folder / names["report"])
+        if findings.devices:
+            if rank == 0:
+                for d in findings.devices:
+                    render_run(d, facts, notes)
+            if plot is not None:
+                plot.wait()
+        elif rank == 0 and recording.virtual_gpu:
+            notes.print(plain(f"memprof: the script made no CUDA tensor, so the virtual"
+                              f" {recording.virtual_gpu['spec']} held nothing; --device cpu"
+                              " profiles its host tensors instead"))
+        writing.result()
+    if rank == 0:
+        written = ", ".join(sorted(p.name for p in folder.iterdir() if p.name[0] != "."))
+        notes.print()
+        notes.print(plain(f"Run folder: {folder}/ ({written})"))
+        shown = folder if world > 1 else folder / names["snapshot"]
+        notes.print(plain(f"Next: memprof explain {shown}"))
+    return _gate(findings, limit, recording.outcome.exit_code, notes)
+
+
+def _facts(recording: Recording, meta: dict[str, Any], target: Target,
+           launched: dict[str, str], conf: str) -> dict[str, Any]:
+    """The report's ``run`` entry: the command, how it ended, the model."""
+    import torch
+
+    from memprof.collect.session import rank
+    from memprof.report.console import NO_STEPS_RECORDED
+
     outcome = recording.outcome
-    facts = {
-        "command": ["memprof", "run", *(["-m"] if target.module else []), target.name,
-                    *target.args],
+    this_rank, world = rank()
+    return {
+        "command": _command(target),
         **launched,
         "torch_version": torch.__version__,
         "device": recording.device,
@@ -234,31 +268,17 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         "stopped_by": outcome.stopped_by,
         "optimizer_steps": len(meta["steps"]),
         "no_steps_reason": None if meta["steps"] else NO_STEPS_RECORDED,
-        "rank": rank,
+        "rank": this_rank,
         "world_size": world,
         "cuda": recording.facts or None,
         "model": meta.get("model") or None,
         **({"virtual_gpu": recording.virtual_gpu} if recording.virtual_gpu else {}),
     }
-    write_json(report_dict(findings, "run", facts), folder / names["report"])
-    if findings.devices:
-        if rank == 0:
-            for d in findings.devices:
-                render_run(d, facts, notes)
-        if plot is not None:
-            title = timeline_title(findings, " ".join(facts["command"][2:]))
-            plot.draw(timeline_panels(findings), title, folder / names["timeline"])
-    elif rank == 0 and recording.virtual_gpu:
-        notes.print(plain(f"memprof: the script made no CUDA tensor, so the virtual"
-                          f" {recording.virtual_gpu['spec']} held nothing; --device cpu"
-                          " profiles its host tensors instead"))
-    if rank == 0:
-        files = ", ".join(sorted(p.name for p in folder.iterdir() if p.name[0] != "."))
-        notes.print()
-        notes.print(plain(f"Run folder: {folder}/ ({files})"))
-        shown = folder if world > 1 else folder / names["snapshot"]
-        notes.print(plain(f"Next: memprof explain {shown}"))
-    return _gate(findings, limit, recording.outcome.exit_code, notes)
+
+
+def _command(target: Target) -> list[str]:
+    """The command line the report shows for a run of ``target``."""
+    return ["memprof", "run", *(["-m"] if target.module else []), target.name, *target.args]
 
 
 def _max_peak(text: str | None) -> int | None:

@@ -2,8 +2,9 @@
 
 Importing matplotlib costs about a third of a second, as much as analysing a short run's
 trace. ``memprof run`` starts the child as soon as the script has ended: it loads
-matplotlib while memprof analyses the trace, then draws what it is sent. When the child
-cannot be started or dies, the plot is drawn here instead.
+matplotlib while memprof analyses the trace, then draws what it is sent while memprof
+writes the snapshot (``send``, then ``wait``). When the child cannot be started or dies,
+the plot is drawn here instead.
 
 Protocol: the child reads one pickled job from stdin, ``(panels, title, path, overwrite)``
 (an empty stdin: nothing to draw), and ends its stdout with the line `RESULT` and a JSON
@@ -18,6 +19,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import TracebackType
 
@@ -39,6 +41,9 @@ class BackgroundPlot:
     def __init__(self) -> None:
         self._owner = os.getpid()
         self._child: subprocess.Popen[bytes] | None = None
+        self._job: tuple[list[Panel], str, Path, bool] | None = None  # sent, not yet drawn
+        self._talk: threading.Thread | None = None  # feeds the job, reads the result
+        self._out = b""  # the child's stdout
 
     def start(self) -> None:
         """Start the child (it loads matplotlib at once). Only in the process that made this
@@ -53,22 +58,47 @@ class BackgroundPlot:
         except OSError:
             self._child = None
 
-    def draw(self, panels: list[Panel], title: str, path: Path, overwrite: bool = False
+    def send(self, panels: list[Panel], title: str, path: Path, overwrite: bool = False
              ) -> None:
-        """Draw ``panels`` into ``path`` (`draw_timeline`) in the child, and wait for it."""
-        child, self._child = self._child, None
-        if child is not None:
-            job = pickle.dumps((panels, title, path, overwrite))
+        """Hand the child ``panels`` to draw into ``path`` (`draw_timeline`) and return at
+        once: it draws while memprof goes on; ``wait`` ends the drawing."""
+        self._job = (panels, title, path, overwrite)
+        if self._child is not None:
+            payload = pickle.dumps(self._job)
+            self._talk = threading.Thread(target=self._communicate,
+                                          args=(self._child, payload), daemon=True)
+            self._talk.start()
+
+    def wait(self) -> None:
+        """Wait for the drawing ``send`` asked for; drawn here if the child never started
+        or died."""
+        job, child, talk = self._job, self._child, self._talk
+        self._job = self._child = self._talk = None
+        if job is None:
+            return
+        if child is not None and talk is not None:
             try:
-                out, _ = child.communicate(job)
+                talk.join()
             except BaseException:
                 _stop(child)
                 raise
-            if child.returncode == 0 and (done := _result(out)) is not None:
+            if child.returncode == 0 and (done := _result(self._out)) is not None:
                 if done["error"] is not None:
                     raise MemprofError(done["error"])
                 return
-        draw_timeline(panels, title, path, overwrite)  # no child, or it died
+        draw_timeline(*job)
+
+    def draw(self, panels: list[Panel], title: str, path: Path, overwrite: bool = False
+             ) -> None:
+        """Draw ``panels`` into ``path`` in the child, and wait for it."""
+        self.send(panels, title, path, overwrite)
+        self.wait()
+
+    def _communicate(self, child: subprocess.Popen[bytes], payload: bytes) -> None:
+        try:
+            self._out, _ = child.communicate(payload)
+        except (OSError, ValueError):  # stopped meanwhile: the plot is drawn here
+            self._out = b""
 
     def __enter__(self) -> BackgroundPlot:
         return self
