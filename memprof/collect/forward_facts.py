@@ -1,14 +1,15 @@
 """Facts about the script's forward passes and gradient zeroing, for ``memprof suggest``.
 
-While installed: a stack of the modules whose forward is running (global pre- and
-post-forward hooks), and wrappers around ``Optimizer.zero_grad`` and ``Module.zero_grad``
-that record the ``set_to_none`` the script passes. ``tag`` says what a tensor autograd
+While installed: a stack of the modules whose forward is running (``before`` and
+``after``, called by the role hooks' global forward hooks), and wrappers around
+``Optimizer.zero_grad`` and ``Module.zero_grad`` that record the ``set_to_none`` the script
+passes. ``tag`` says what a tensor autograd
 saves for backward is: quadratic attention scores (a ``T x T`` output of a score op,
 ``score_ops.py``), or an activation of a forward run in eval mode (``model.eval()``) with
 grad enabled. The label hooks drop the eval tag from tensors a backward reads, so what
 remains was saved by forwards that nothing backpropagated (evaluation without ``no_grad``).
-It also notes the module classes the script runs under activation checkpointing
-(``checkpointed.py``), and whether it loads weights into a module (``load_state_dict``).
+It also notes the module classes the script runs under activation checkpointing in
+training (``checkpointed.py``), and whether it loads weights into a module (``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook
-from torch.utils.hooks import RemovableHandle
 
 from memprof.collect.checkpointed import is_checkpoint, module_caller, under_checkpoint
 from memprof.collect.frames import HIDDEN_CODES
@@ -41,14 +40,11 @@ class ForwardFacts:
         self.eval_module: str | None = None  # the outermost module of an eval forward
         self.checkpointed: set[str] = set()  # classes the script runs under checkpointing
         self._largest = 0
-        self._handle: RemovableHandle | None = None
         self.loaded_state_dict = False  # the script loaded weights into a module
         self._originals: list[tuple[type, str, Callable[..., Any]]] = []
 
     def install(self) -> None:
-        """Register the post-forward hook and wrap the zero_grad and load_state_dict
-        methods."""
-        self._handle = register_module_forward_hook(self._after, always_call=True)
+        """Wrap the zero_grad and load_state_dict methods."""
         for cls in _ZERO_GRADS:
             self._patch(cls, "zero_grad", self._wrap(cls.zero_grad))
         self._patch(torch.nn.Module, "load_state_dict",
@@ -59,10 +55,7 @@ class ForwardFacts:
         setattr(cls, name, wrapper)
 
     def remove(self) -> None:
-        """Remove the hook and restore zero_grad."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """Restore zero_grad and load_state_dict."""
         for cls, name, original in self._originals:
             setattr(cls, name, original)
         self._originals = []
@@ -70,6 +63,8 @@ class ForwardFacts:
     def before(self, module: torch.nn.Module) -> None:
         """A module's forward starts (called from the label hooks' pre-forward hook)."""
         self.stack.append(module)
+        if not module.training:  # checkpointing matters in training alone: not looked for
+            return
         name = type(module).__name__
         outer = type(self.stack[-2]).__name__ if len(self.stack) > 1 else None
         if name in self.checkpointed and (outer is None or outer in self.checkpointed):
@@ -114,9 +109,8 @@ class ForwardFacts:
                           if any(True for _ in m.parameters())), None)
             self.score_module = type(owner).__name__ if owner is not None else None
 
-    def _after(self, module: torch.nn.Module, args: object, output: object) -> None:
-        if torch.compiler.is_compiling():  # its pre-hook skipped the traced modules too
-            return
+    def after(self, module: torch.nn.Module) -> None:
+        """A module's forward has ended (called from the label hooks' forward hook)."""
         # a forward hook registered by the script may raise, so the stack is searched
         for i in range(len(self.stack) - 1, -1, -1):
             if self.stack[i] is module:

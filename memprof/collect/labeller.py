@@ -20,8 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook
-from torch.utils.hooks import RemovableHandle
 
 from memprof.collect.cpu_recorder import SNAPSHOT_VERSION
 from memprof.collect.hook_labels import (
@@ -65,7 +63,6 @@ class HookLabeller(RoleHooks):
         self._stack = ModuleStack()
         self._owner: str | None = None  # the module whose pre-hook marks its own tensors
         self._in_backward = False  # an end-of-backward callback is queued
-        self._exit_hook: RemovableHandle | None = None
         self._filter: object = None
         # tensor -> (data pointer, category) last noted: a parameter
         # seen at every forward is noted once while its storage stays (activations are new
@@ -81,9 +78,8 @@ class HookLabeller(RoleHooks):
         self.remove()
 
     def install(self) -> None:
-        """Register the role hooks and the forward hook that ends a module's window."""
+        """Register the role hooks."""
         super().install()
-        self._exit_hook = register_module_forward_hook(self._on_exit, always_call=True)
         self._filter = ignore(COMPILE_WITH_GLOBAL_HOOKS)  # the script's, not memprof's
 
     def remove(self) -> None:
@@ -91,9 +87,6 @@ class HookLabeller(RoleHooks):
         try:
             super().remove()
         finally:
-            if self._exit_hook is not None:
-                self._exit_hook.remove()
-                self._exit_hook = None
             restore(self._filter)
 
     def labels(self, trace: Sequence[Event], times: Sequence[int] | None = None,
@@ -126,7 +119,7 @@ class HookLabeller(RoleHooks):
             return
         self._owner = path = self._stack.enter(module)
         try:
-            super()._on_forward(module, args)  # marks the module's parameters and buffers
+            self._see(module)
         finally:
             self._owner = None
         self.marks.append((self._clock(), path, True))  # after the hook's own work
@@ -135,6 +128,7 @@ class HookLabeller(RoleHooks):
         if torch.compiler.is_compiling():
             return
         at = self._clock()
+        self._forward.after(module)
         self._stack.exit(module)
         self.marks.append((at, self._stack.current(), False))
 

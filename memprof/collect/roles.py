@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
+    register_module_forward_hook,
     register_module_forward_pre_hook,
 )
 from torch.optim.optimizer import (
@@ -72,6 +73,7 @@ class RoleHooks:
         """Register the global module, optimizer and saved-tensor hooks."""
         self._handles = [
             register_module_forward_pre_hook(self._on_forward),
+            register_module_forward_hook(self._on_exit, always_call=True),
             register_module_buffer_registration_hook(self._on_buffer),
             register_optimizer_step_pre_hook(self._on_step_pre),
             register_optimizer_step_post_hook(self._on_step_post),
@@ -145,8 +147,15 @@ class RoleHooks:
                 self._mark(t, OPTIMIZER_STATE)
 
     def _on_forward(self, module: torch.nn.Module, args: object) -> None:
-        if torch.compiler.is_compiling():  # traced into a compiled graph: leave it as it is
-            return
+        if not torch.compiler.is_compiling():  # traced into a compiled graph: left as it is
+            self._see(module)
+
+    def _on_exit(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if not torch.compiler.is_compiling():
+            self._forward.after(module)
+
+    def _see(self, module: torch.nn.Module) -> None:
+        """A module's forward starts: mark its parameters and buffers when they moved."""
         self._forward.before(module)
         if self._autocast is None and torch._C._is_any_autocast_enabled():
             self._autocast = _autocast_dtype(module)
