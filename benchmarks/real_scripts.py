@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from measure import Run, machine, run, write_table
 
-REPEAT = 3
+REPEAT = 5  # this machine's run-to-run spread is about 10%: medians of five
 # The script under a dispatch mode that only calls each operator (memprof's own base class,
 # without Dynamo's wrapper, as the recorder runs): the floor of any such recorder's cost.
 BARE_MODE = """import os, runpy, sys
@@ -164,9 +164,9 @@ def main() -> None:
                                  "iteration ratio, --light",
                                  "iteration ratio, a bare dispatch mode"], rows,
                 "Whole commands in fresh processes (OMP_NUM_THREADS=1), python, memprof,"
-                " memprof --light and a bare dispatch mode alternating, medians of three; CPU"
+                f" memprof --light and a bare dispatch mode alternating, medians of {REPEAT}; CPU"
                 " time is user + system. Iteration times"
-                f" are the scripts' own, from iteration {WARM_UP} on, medians over the three"
+                f" are the scripts' own, from iteration {WARM_UP} on, medians over the {REPEAT}"
                 " runs: the recording's cost with no start-up or analysis in it; a bare"
                 " dispatch mode's iterations are the exact recorder's floor. Synthetic"
                 f" data; fetched checkouts, not part of memprof. Target: 1.3x. {machine()}.")
