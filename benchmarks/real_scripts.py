@@ -8,7 +8,7 @@ allocator's events and role hooks, no dispatch mode): the whole command carries 
 fixed cost, which a short run feels and a long one does not; an iteration's time is the
 recording's cost alone. The floor of that cost is the script's iterations under a dispatch mode that
 does nothing (``TorchDispatchMode``, as the CPU recorder is one): every operator's trip
-through Python. The runs alternate, python, memprof, memprof --light, the bare mode, three
+through Python. The runs alternate, python, memprof, memprof --light, the bare mode, five
 times.
 
 The scripts are not part of memprof: fetch them (github:karpathy/nanoGPT,

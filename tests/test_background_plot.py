@@ -37,7 +37,8 @@ def test_the_child_draws_the_png_the_parent_would(findings: Findings, panels: li
     monkeypatch.setattr(background_plot, "draw_timeline", None)  # the child's job alone
     with BackgroundPlot() as plot:
         plot.start()
-        plot.draw(panels, timeline_title(findings), tmp_path / "child.png")
+        plot.send(panels, timeline_title(findings), tmp_path / "child.png")
+        plot.wait()
     assert (tmp_path / "child.png").read_bytes() == here.read_bytes()
     assert here.read_bytes().startswith(b"\x89PNG")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["child.png", "here.png"]
@@ -49,7 +50,8 @@ def test_without_a_child_the_plot_is_drawn_here(panels: list[Panel], tmp_path: P
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
     with BackgroundPlot() as plot:
         plot.start()  # cannot start: no such program
-        plot.draw(panels, "memprof: t", tmp_path / "t.png")
+        plot.send(panels, "memprof: t", tmp_path / "t.png")
+        plot.wait()
     assert (tmp_path / "t.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -58,7 +60,8 @@ def test_a_failed_write_in_the_child_is_one_line(panels: list[Panel], tmp_path: 
     (tmp_path / "file").write_text("")
     with BackgroundPlot() as plot, pytest.raises(MemprofError, match="cannot write"):
         plot.start()
-        plot.draw(panels, "memprof: t", tmp_path / "file" / "t.png")
+        plot.send(panels, "memprof: t", tmp_path / "file" / "t.png")
+        plot.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 

@@ -86,13 +86,7 @@ class BackgroundPlot:
                 if done["error"] is not None:
                     raise MemprofError(done["error"])
                 return
-        draw_timeline(*job)
-
-    def draw(self, panels: list[Panel], title: str, path: Path, overwrite: bool = False
-             ) -> None:
-        """Draw ``panels`` into ``path`` in the child, and wait for it."""
-        self.send(panels, title, path, overwrite)
-        self.wait()
+        draw_timeline(*job)  # no child, or it died
 
     def _communicate(self, child: subprocess.Popen[bytes], payload: bytes) -> None:
         try:
