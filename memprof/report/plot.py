@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 # trace's millions of steps would cost matplotlib hundreds of MiB and draw the same pixels.
 _BUCKETS = 2048
 _TITLE_CHARS = 130  # at the title's font size, what fits across the figure
+_WIDTH_IN, _PANEL_IN = 10, 3.2  # the figure's width, and its height per panel
+# margins: y tick labels and unit; x tick labels and label; the title and a panel's own;
+# between panels, a panel's x labels and the next one's title
+_LEFT_IN, _RIGHT_IN, _BOTTOM_IN, _TOP_IN, _GAP_IN = 0.7, 0.15, 0.55, 0.62, 0.85
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +106,17 @@ def draw_timeline(panels: list[Panel], title: str, path: Path, overwrite: bool =
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 3.2 * len(panels)))
+    n = len(panels)
+    fig = Figure(figsize=(_WIDTH_IN, _PANEL_IN * n))
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(panels), 1, squeeze=False)
+    # fixed margins (inches): tight_layout would measure every text first, a third of
+    # the drawing's time, to find the same ones for this fixed kind of figure
+    height = _PANEL_IN * n
+    axes_in = (height - _TOP_IN - _BOTTOM_IN - _GAP_IN * (n - 1)) / n
+    fig.subplots_adjust(left=_LEFT_IN / _WIDTH_IN, right=1 - _RIGHT_IN / _WIDTH_IN,
+                        bottom=_BOTTOM_IN / height, top=1 - _TOP_IN / height,
+                        hspace=_GAP_IN / axes_in)
+    axes = fig.subplots(n, 1, squeeze=False)
     for ax, p in zip(axes[:, 0], panels, strict=True):
         ax.step(p.x, p.reserved, where="post", label="reserved", color="black", linewidth=1)
         if p.categories is not None:
@@ -120,8 +132,7 @@ def draw_timeline(panels: list[Panel], title: str, path: Path, overwrite: bool =
         ax.set_title(f"device {p.device}", loc="left", fontsize=10)
         ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", fontsize=8)
-    fig.suptitle(title.replace("$", r"\$"), fontsize=10)  # "$" starts matplotlib's math mode
-    fig.tight_layout()
+    fig.suptitle(title.replace("$", r"\$"), fontsize=10, y=1 - 0.12 / height)  # "$": math mode
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), overwrite)
 
 
