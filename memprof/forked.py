@@ -64,7 +64,7 @@ class Forked(Generic[T]):
             chunks = []
             while chunk := os.read(self._pipe, 1 << 16):
                 chunks.append(chunk)
-            _, status = os.waitpid(self._pid, 0)
+            status = _wait(self._pid)
             os.close(self._pipe)
             self._pid = None
             if status != 0 or not chunks:
@@ -87,7 +87,16 @@ class Forked(Generic[T]):
         os.close(self._pipe)
         if exc is not None:  # abandoned: the child ends now
             os.kill(pid, signal.SIGTERM)
-        os.waitpid(pid, 0)
+        _wait(pid)
+
+
+def _wait(pid: int) -> int:
+    """The child's exit status; 0 if the script's own handling of SIGCHLD reaped it (its
+    outcome, sent first, tells how it went)."""
+    try:
+        return os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        return 0
 
 
 def _can_fork() -> bool:

@@ -4,6 +4,7 @@ one leaves no file behind, and the copy holds no pipe another process waits on."
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -61,3 +62,13 @@ def test_the_copy_holds_no_pipe_of_this_process() -> None:
         assert time.monotonic() - started < 1
         work.result()
     os.close(read)
+
+
+def test_a_script_that_ignores_sigchld_still_gets_the_result() -> None:
+    # SIG_IGN makes the kernel reap children at once: waitpid finds none
+    saved = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        with Forked(lambda: "written") as work:
+            assert work.result() == "written"
+    finally:
+        signal.signal(signal.SIGCHLD, saved)
