@@ -3,13 +3,13 @@
 While installed: a stack of the modules whose forward is running (``before`` and
 ``after``, called by the role hooks' global forward hooks), and wrappers around
 ``Optimizer.zero_grad`` and ``Module.zero_grad`` that record the ``set_to_none`` the script
-passes. ``tag`` says what a tensor autograd
-saves for backward is: quadratic attention scores (a ``T x T`` output of a score op,
-``score_ops.py``), or an activation of a forward run in eval mode (``model.eval()``) with
-grad enabled. The label hooks drop the eval tag from tensors a backward reads, so what
-remains was saved by forwards that nothing backpropagated (evaluation without ``no_grad``).
-It also notes the module classes the script runs under activation checkpointing in
-training (``checkpointed.py``), and whether it loads weights into a module (``load_state_dict``).
+passes. ``tag`` says what a tensor autograd saves for backward is: quadratic attention
+scores (a ``T x T`` output of a score op, ``score_ops.py``), or an activation of a forward
+run in eval mode (``model.eval()``) with grad enabled. The label hooks drop the eval tag
+from tensors a backward reads, so what remains was saved by forwards that nothing
+backpropagated (evaluation without ``no_grad``). It also notes the module classes the
+script runs under activation checkpointing in training (``checkpointed.py``), and whether
+it loads weights into a module (``load_state_dict``).
 """
 
 from __future__ import annotations
