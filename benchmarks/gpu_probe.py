@@ -78,7 +78,7 @@ def part_of_memprof() -> Iterator[None]:
         torch.cuda.memory._record_memory_history(
             enabled="all", context=context, stacks="python", max_entries=1_000_000)
     if os.environ.get("PROBE_HOOKS"):
-        from memprof.collect.labeller import HookLabeller
+        from memprof.collect.hooks.labeller import HookLabeller
 
         with HookLabeller():
             yield

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from measure import RESULTS, table_text, write_text
+from measure import RESULTS, error, table_text, write_text
 
 from memprof.collect.virtual.workspaces import unified_setting
 
@@ -43,10 +43,6 @@ def predict(run: str, counters: dict[str, Any], tmp: Path) -> dict[str, Any]:
                     *counters["command"][2:]], cwd=ROOT, env=env, capture_output=True,
                    check=False)
     return json.loads((out / "report.json").read_text())["devices"][0]["peak"]
-
-
-def error(predicted: int, real: int) -> str:
-    return f"{100 * (predicted / real - 1):+.2f}%"
 
 
 def prediction_rows() -> tuple[list[list[str]], list[float], list[float]]:

@@ -49,13 +49,13 @@ class Job:
 def jobs(nanogpt: Path | None, mingpt: Path | None, checkouts: dict[str, Path], out: Path
          ) -> list[Job]:
     """The jobs these checkouts allow, with their data and scratch folders under ``out``."""
-    from gpu_validation import nanogpt_argv
     from groundtruth import RUNS
     from real_scripts import mingpt as mingpt_workload
+    from real_scripts import nanogpt_argv
 
     found = []
     if nanogpt is not None:
-        argv = [str(nanogpt / "train.py"), *nanogpt_argv(nanogpt, out)[1:]]
+        argv = [str(nanogpt / "train.py"), *nanogpt_argv(out)[1:]]
         found += [Job("nanoGPT eager", [*argv, "--compile=False", "--max_iters=10"], nanogpt),
                   Job("nanoGPT compiled", [*argv, "--max_iters=10"], nanogpt, recorded=False,
                       note="the virtual GPU runs torch.compile's code eagerly")]
@@ -96,7 +96,7 @@ def rows(nanogpt: Path | None, mingpt: Path | None, checkouts: dict[str, Path]
          ) -> list[list[str]]:
     """A row per job the card ran and these checkouts allow: the card's peaks against
     ``memprof run --virtual-gpu`` on the card's name, as its torch lays out cuBLASLt."""
-    from gpu_table import error
+    from measure import error
 
     from memprof.collect.virtual.workspaces import unified_setting
 

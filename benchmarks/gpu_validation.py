@@ -121,16 +121,6 @@ class Device:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1))
 
 
-def nanogpt_argv(checkout: Path, out: Path) -> list[str]:
-    """nanoGPT's Shakespeare-character training as its README runs it on a GPU (compiled,
-    bf16 autocast), 40 iterations on synthetic tokens, each iteration's time printed."""
-    from real_scripts import nanogpt_data
-
-    return ["train.py", "config/train_shakespeare_char.py", f"--dataset={nanogpt_data(out)}",
-            "--max_iters=40", "--eval_iters=5", "--log_interval=1",
-            f"--out_dir={out / 'nanogpt-out'}"]
-
-
 def third_party(run: Device, nanogpt: Path | None, mingpt: Path | None,
                 groundtruth: dict[str, Path]) -> None:
     """Training scripts nobody here wrote, on the card (``gpu_thirdparty.py``): PyTorch's
@@ -203,7 +193,9 @@ def overhead(run: Device, nanogpt: Path | None, parts: bool, workloads: tuple[st
     """Plain python against memprof run (and its parts) on the timed workloads, alternating."""
     timed = [("eager", TIMED, SAMPLES, False), ("compile", [*TIMED, "--compile"], SAMPLES, True)]
     if nanogpt is not None:
-        timed.append(("nanogpt", nanogpt_argv(nanogpt, run.out), nanogpt, True))
+        from real_scripts import nanogpt_argv
+
+        timed.append(("nanogpt", nanogpt_argv(run.out), nanogpt, True))
     for label, script, cwd, compiled in timed:
         if label not in workloads:
             continue

@@ -25,8 +25,8 @@ OP_BOUND_ARGS = ["--device", "cpu", "--size", "tiny", "--steps", "300"]
 
 def under(recorder: str, argv: list[str]) -> None:
     """Run the sample as ``__main__`` under ``recorder``, in this process."""
-    from memprof.collect.cpu_recorder import CpuRecorder
-    from memprof.collect.labeller import HookLabeller
+    from memprof.collect.cpu.recorder import CpuRecorder
+    from memprof.collect.hooks.labeller import HookLabeller
 
     sys.argv = [str(SAMPLE), *argv]
     sys.path.insert(0, str(SAMPLE.parent))

@@ -75,3 +75,8 @@ def write_text(name: str, text: str) -> Path:
 
 def machine() -> str:
     return f"{os.cpu_count()} cores, Python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d')}"
+
+
+def error(predicted: int, real: int) -> str:
+    """The relative error of ``predicted`` against ``real``, as a signed percentage."""
+    return f"{100 * (predicted / real - 1):+.2f}%"

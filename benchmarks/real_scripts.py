@@ -39,7 +39,7 @@ REPEAT = 5  # this machine's run-to-run spread is about 10%: medians of five
 # The script under a dispatch mode that only calls each operator (memprof's own base class,
 # without Dynamo's wrapper, as the recorder runs): the floor of any such recorder's cost.
 BARE_MODE = """import os, runpy, sys
-from memprof.collect.storages import _PlainMode
+from memprof.collect.cpu.storages import _PlainMode
 class Bare(_PlainMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -71,6 +71,13 @@ def nanogpt_data(tmp: Path) -> Path:
     tokens[:100_000].tofile(data / "val.bin")
     (data / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65}))
     return data
+
+def nanogpt_argv(out: Path) -> list[str]:
+    """nanoGPT's Shakespeare-character training as its README runs it on a GPU (compiled,
+    bf16 autocast), 40 iterations on synthetic tokens, each iteration's time printed."""
+    return ["train.py", "config/train_shakespeare_char.py", f"--dataset={nanogpt_data(out)}",
+            "--max_iters=40", "--eval_iters=5", "--log_interval=1",
+            f"--out_dir={out / 'nanogpt-out'}"]
 
 
 def nanogpt(checkout: Path, iters: int, tmp: Path) -> Workload:
@@ -174,3 +181,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

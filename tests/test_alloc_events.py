@@ -14,8 +14,8 @@ import torch
 from test_hook_labels import SAMPLES, _exact, at_peak
 from test_run_cli import load_sample
 
-from memprof.collect.alloc_events import AllocatorEvents
-from memprof.collect.labeller import HookLabeller
+from memprof.collect.cpu.alloc_events import AllocatorEvents
+from memprof.collect.hooks.labeller import HookLabeller
 from memprof.errors import MemprofError
 from memprof.trace.events import as_snapshot_events
 

@@ -21,7 +21,7 @@ from test_run_cli import F32, SAMPLES, Result, block, flags, report, run_python
 from torch import nn
 
 from memprof.analysis.explain import explain
-from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.cpu.recorder import CpuRecorder
 from memprof.report.json import report_dict
 from memprof.trace import load_snapshot
 from memprof.trace.events import as_snapshot_events

@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 
 from memprof.analysis.explain import explain
-from memprof.collect.cpu_recorder import CpuRecorder
-from memprof.collect.session import predict_cuda_layout
+from memprof.collect.cpu.recorder import CpuRecorder
+from memprof.collect.recording import predict_cuda_layout
 from memprof.trace.model import AllocatorSettings
 from memprof.trace.normalize import normalize
 from tests.conftest import ROOT

@@ -22,9 +22,9 @@ from torch import nn
 from torch.testing._internal.two_tensor import TwoTensor
 
 import memprof
-from memprof.collect.cpu_recorder import CpuRecorder
+from memprof.collect.cpu.recorder import CpuRecorder
+from memprof.collect.cpu.storages import StorageTracker
 from memprof.collect.frames import StackCapture
-from memprof.collect.storages import StorageTracker
 from memprof.trace.dump import dump_snapshot
 from memprof.trace.events import as_snapshot_events
 from memprof.trace.model import CATEGORIES

@@ -17,7 +17,7 @@ from conftest import GPU_FIXTURES, ROOT
 from test_run_cli import Result, block, load_sample, run_python
 
 from memprof.analysis.explain import explain
-from memprof.collect.labeller import HookLabeller
+from memprof.collect.hooks.labeller import HookLabeller
 from memprof.collect.virtual.cards import parse_spec
 from memprof.collect.virtual.recorder import format_size
 from memprof.collect.virtual.workspaces import blas_workspace_sizes, unified_setting

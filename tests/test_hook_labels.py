@@ -19,15 +19,15 @@ import pytest
 import torch
 from test_run_cli import LEAK, MLP, flags, load_sample
 
-from memprof.collect.cpu_recorder import CpuRecorder
-from memprof.collect.hook_labels import (
+from memprof.collect.cpu.recorder import CpuRecorder
+from memprof.collect.cpu.storages import StorageTracker
+from memprof.collect.hooks.labeller import HookLabeller
+from memprof.collect.hooks.trace_labels import (
     label_trace,
     sequence_clock,
     sequence_times,
     step_ends,
 )
-from memprof.collect.labeller import HookLabeller
-from memprof.collect.storages import StorageTracker
 from memprof.trace.events import as_snapshot_events
 
 

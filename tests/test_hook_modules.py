@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memprof.collect.hook_modules import module_trace
+from memprof.collect.hooks.trace_modules import module_trace
 
 
 def _alloc(addr: int, t: int, size: int = 512) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from memprof.analysis.explain import explain
 from memprof.analysis.layout import lay_out
 from memprof.analysis.replay import replay
 from memprof.analysis.settings import parse_alloc_conf
-from memprof.collect.cpu_recorder import CpuRecorder
-from memprof.collect.storages import StorageTracker
+from memprof.collect.cpu.recorder import CpuRecorder
+from memprof.collect.cpu.storages import StorageTracker
 from memprof.trace.events import TraceEvent, as_snapshot_events
 from memprof.trace.normalize import normalize
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from memprof.collect.cpu_recorder import CpuRecorder
-from memprof.collect.storages import StorageTracker
+from memprof.collect.cpu.recorder import CpuRecorder
+from memprof.collect.cpu.storages import StorageTracker
 from memprof.trace.events import as_snapshot_events
 from tests.test_run_cli import F32, block, memprof_run, report
 

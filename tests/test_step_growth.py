@@ -211,7 +211,7 @@ def test_two_optimizers_make_one_step_per_iteration(tmp_path: Path) -> None:
 
 
 def test_step_pace_ends_a_step_per_iteration_of_several_optimizers() -> None:
-    from memprof.collect.step_pace import END, MOVE, StepPace
+    from memprof.collect.hooks.step_pace import END, MOVE, StepPace
 
     class Opt:  # an optimizer, as far as the pace goes: identity and weak references
         pass

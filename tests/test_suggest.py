@@ -171,7 +171,7 @@ def test_a_hugging_face_model_and_trainer_get_the_librarys_switches(runs: Path):
 
 
 def test_loading_weights_is_seen(tmp_path: Path):
-    from memprof.collect.cpu_recorder import CpuRecorder
+    from memprof.collect.cpu.recorder import CpuRecorder
 
     saved = torch.nn.Linear(4, 4).state_dict()
     original = torch.nn.Module.load_state_dict
@@ -188,7 +188,7 @@ def test_loading_weights_is_seen(tmp_path: Path):
 
 
 def test_the_hugging_face_trainer_is_seen_stepping_the_optimizer(tmp_path: Path):
-    from memprof.collect.cpu_recorder import CpuRecorder
+    from memprof.collect.cpu.recorder import CpuRecorder
 
     trainer = tmp_path / "transformers" / "trainer.py"  # where the library's loop lives
     trainer.parent.mkdir()
@@ -329,7 +329,7 @@ def test_checkpointing_is_seen_however_the_script_does_it(how: str,
                                                           monkeypatch: pytest.MonkeyPatch):
     import runpy
 
-    from memprof.collect.cpu_recorder import CpuRecorder
+    from memprof.collect.cpu.recorder import CpuRecorder
 
     monkeypatch.setattr("sys.argv", [str(BLOCKS), "--device", "cpu", "--ckpt", how,
                                      "--batch", "2"])

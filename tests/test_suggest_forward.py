@@ -120,7 +120,7 @@ def test_json_lists_them_as_estimates(runs: Path):
 
 def eval_tags(backward: bool) -> list[list[object]]:
     """The tags of a recording of one forward in eval mode with grad enabled."""
-    from memprof.collect.cpu_recorder import CpuRecorder
+    from memprof.collect.cpu.recorder import CpuRecorder
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 1)).eval()
@@ -141,7 +141,7 @@ def test_a_backpropagated_eval_mode_forward_is_not_an_evaluation():
 def test_sdpa_on_the_cpus_math_fallback_counts_as_fused_attention():
     # with dropout, the CPU runs scaled_dot_product_attention as softmax(q @ k^T) @ v: the
     # scores are saved, but the script already calls the kernel CUDA runs fused
-    from memprof.collect.cpu_recorder import CpuRecorder
+    from memprof.collect.cpu.recorder import CpuRecorder
 
     class Attention(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

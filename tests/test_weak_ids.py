@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from memprof.collect.weak_ids import WeakIdMap
+from memprof.collect.hooks.weak_ids import WeakIdMap
 
 
 def test_keys_by_identity_not_equality() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from memprof.advise.peak import Peak
 from memprof.analysis.blocks import MIN_BLOCK
-from memprof.collect.model_facts import SMALL_TENSOR
+from memprof.collect.hooks.model_facts import SMALL_TENSOR
 from memprof.trace.model import (
     ACTIVATIONS,
     BUFFERS,

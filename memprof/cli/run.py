@@ -21,8 +21,8 @@ DEFAULT_MAX_ENTRIES = 1_000_000
 
 if TYPE_CHECKING:
     from memprof.analysis.findings import DeviceFindings, Findings
-    from memprof.collect.launch import Target
-    from memprof.collect.session import Recording
+    from memprof.collect.launch.script import Target
+    from memprof.collect.recording import Recording
     from memprof.collect.virtual.cards import Card
     from memprof.report.background_plot import BackgroundPlot
 
@@ -96,7 +96,7 @@ def run(
     args = list(script or [])
     if module is None and not args:
         raise MemprofError("nothing to run: give a script (memprof run train.py) or -m MODULE")
-    from memprof.collect.launch import Target  # here: other commands need none of it
+    from memprof.collect.launch.script import Target  # here: other commands need none of it
 
     target = Target(module, tuple(args), True) if module else Target(args[0], tuple(args[1:]),
                                                                      False)
@@ -104,16 +104,19 @@ def run(
     limit = _max_peak(max_peak)
 
     from memprof.analysis.settings import parse_alloc_conf, unmodelled
-    from memprof.collect import cuda, session
-    from memprof.collect.endings import finishing
+    from memprof.collect.cuda.history import available as cuda_available
+    from memprof.collect.launch.endings import finishing
+    from memprof.collect.launch.script import torchrun_rank
+    from memprof.collect.recording import RunOptions
+    from memprof.collect.session import recorder
     from memprof.heap import frozen
     from memprof.report.background_plot import BackgroundPlot
     from memprof.report.run_folder import claim, file_names, run_folder
 
     if device not in ("auto", "cpu", "cuda"):
         raise MemprofError(f"--device {device!r}: expected auto, cpu or cuda")
-    use_cuda = device == "cuda" or (device == "auto" and cuda.available())
-    if device == "cuda" and not cuda.available():
+    use_cuda = device == "cuda" or (device == "auto" and cuda_available())
+    if device == "cuda" and not cuda_available():
         raise MemprofError("--device cuda: no CUDA device is available here")
     if light and (device != "cpu" or virtual_gpu or profile):
         raise MemprofError("--light records host tensors: use it with --device cpu, without"
@@ -130,7 +133,7 @@ def run(
     if problems and not use_cuda:
         raise MemprofError(f"allocator settings {conf!r} for the prediction:"
                            f" {'; '.join(problems)}")
-    rank, world = session.rank()
+    rank, world = torchrun_rank()
     folder = run_folder(target.stem, output, world).absolute()  # the script may chdir
     names = file_names(rank, world)
     claim(folder, names, force)
@@ -150,20 +153,12 @@ def run(
                 plot.start()  # matplotlib loads while the trace is analysed
 
         try:
-            if card is not None:
-                from memprof.collect.virtual.session import record_virtual
-
-                announce = None if virtual_gpu else (
-                    f"memprof: no GPU here: CUDA runs on a virtual {card.name} (--virtual-gpu"
-                    " SPEC for another card, --device cpu to record host tensors instead)")
-                recording = record_virtual(target, card, settings, profile_path, announce,
-                                           steps, seconds, max_entries, script_ended)
-            elif light:
-                recording = session.record_light(target, max_entries, settings, steps,
-                                                 seconds, script_ended)
-            else:
-                recording = session.record(target, use_cuda, max_entries, settings,
-                                           profile_path, steps, seconds, script_ended)
+            announce = None if virtual_gpu or card is None else (
+                f"memprof: no GPU here: CUDA runs on a virtual {card.name} (--virtual-gpu"
+                " SPEC for another card, --device cpu to record host tensors instead)")
+            record = recorder(use_cuda, light, card, announce)
+            recording = record(target, RunOptions(settings, max_entries, steps, seconds,
+                                                  profile_path, script_ended))
             if os.getpid() != parent:  # a child the script forked ran out its copy of it
                 raise typer.Exit(recording.outcome.exit_code)
             stopped = recording.outcome.stopped_by
@@ -194,7 +189,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     without one) and print the summary; return the exit code (the script's, or 1 when its
     peak broke ``--max-peak``)."""
     from memprof.analysis.explain import explain
-    from memprof.collect import session
+    from memprof.collect.launch.script import torchrun_rank
     from memprof.forked import Forked
     from memprof.heap import trim
     from memprof.report.json import report_dict, write_json
@@ -204,7 +199,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     from memprof.report.text import plain
     from memprof.trace.normalize import normalize
 
-    rank, world = session.rank()
+    rank, world = torchrun_rank()
     notes = Console(stderr=True, soft_wrap=True)
     meta = recording.snapshot["memprof"]
     files = [(recording.snapshot, folder / names["snapshot"])]
@@ -251,11 +246,11 @@ def _facts(recording: Recording, meta: dict[str, Any], target: Target,
     """The report's ``run`` entry: the command, how it ended, the model."""
     import torch
 
-    from memprof.collect.session import rank
+    from memprof.collect.launch.script import torchrun_rank
     from memprof.report.console import NO_STEPS_RECORDED
 
     outcome = recording.outcome
-    this_rank, world = rank()
+    this_rank, world = torchrun_rank()
     return {
         "command": _command(target),
         **launched,

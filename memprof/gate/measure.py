@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from memprof.collect import cuda
+from memprof.collect.cuda import history as cuda
 
 CUDA_HISTORY_ENTRIES = 200_000
 
@@ -37,13 +37,13 @@ class Measurement:
         self._gpu: Any = None
 
     def start(self) -> None:
-        from memprof.collect.cpu_recorder import CpuRecorder
+        from memprof.collect.cpu.recorder import CpuRecorder
 
         if self.backend == "cuda":
             self._history = cuda.CudaHistory(CUDA_HISTORY_ENTRIES)
             self._history.start()
         elif self.backend == "virtual":
-            from memprof.collect.session import settings_dict
+            from memprof.collect.recording import settings_dict
             from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
             from memprof.collect.virtual.gpu import VirtualGpu
 
@@ -64,7 +64,7 @@ class Measurement:
     def stop(self) -> dict[str, Any]:
         """Stop measuring; the report of the code in between, in the report schema."""
         from memprof.analysis.explain import explain
-        from memprof.collect.session import predict_cuda_layout
+        from memprof.collect.recording import predict_cuda_layout
         from memprof.report.json import report_dict
         from memprof.trace.normalize import normalize
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from memprof.collect.storages import _PlainMode
+from memprof.collect.cpu.storages import _PlainMode
 
 AUTOCAST_CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)
 

@@ -27,8 +27,8 @@ from torch.optim.optimizer import _foreach_supported_types
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils import _foreach_utils
 
-from memprof.collect.eager_compile import EagerCompile
-from memprof.collect.threads import inherited
+from memprof.collect.launch.eager_compile import EagerCompile
+from memprof.collect.launch.threads import inherited
 from memprof.collect.virtual import autocast
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.checkpoints import Checkpoints

@@ -11,15 +11,18 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 
 import torch
 
+import memprof.collect
 from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.blocks import OutOfMemory
 from memprof.analysis.layout import Placer
+from memprof.collect.cpu.storages import StorageTracker, _StorageRef
 from memprof.collect.frames import StackCapture
-from memprof.collect.storages import StorageTracker, _StorageRef, tensors_in
+from memprof.collect.tensors import tensors_in
 from memprof.collect.virtual import kernel_memory
 from memprof.collect.virtual.accumulate import ADD, accumulates_in_place
 from memprof.collect.virtual.cards import Card
@@ -28,7 +31,7 @@ from memprof.collect.virtual.workspaces import CublasWorkspaces, blas_workspace_
 from memprof.trace.events import ADDR, STACK, TIME_US, OomEvent, Stack, TraceEvent
 from memprof.trace.model import WORKSPACE, AllocatorSettings
 
-_COLLECT = str(__import__("pathlib").Path(__file__).resolve().parent.parent)
+_COLLECT = str(Path(memprof.collect.__file__).resolve().parent)
 
 
 class _UserStacks(StackCapture):

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from memprof.collect.checkpointed import is_checkpoint, module_caller, under_checkpoint
 from memprof.collect.frames import HIDDEN_CODES
+from memprof.collect.hooks.checkpointed import is_checkpoint, module_caller, under_checkpoint
 from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS
 
 _ZERO_GRADS: tuple[type, ...] = (torch.optim.Optimizer, torch.nn.Module)

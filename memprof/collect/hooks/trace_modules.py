@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from memprof.collect.hook_labels import Allocs, Event, event_times
+from memprof.collect.hooks.trace_labels import Allocs, Event, event_times
 
 # (at, path, claims): from ``at`` on, ``path`` runs; ``claims``: an alloc at the same moment
 # is after it. A plain tuple, as ``Sighting``: a run makes two at every module call.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from memprof.collect.score_ops import FUSED_ATTENTION_OPS, SCORE_OPS
+from memprof.collect.cpu.score_ops import FUSED_ATTENTION_OPS, SCORE_OPS
 
 MAY_ALIAS = 1  # an output may share an input's storage
 SCORES = 2  # an output may be attention scores (SCORE_OPS)

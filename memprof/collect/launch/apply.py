@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from memprof.collect.checkpointed import is_checkpoint, module_caller
+from memprof.collect.hooks.checkpointed import is_checkpoint, module_caller
 
 ENV = "MEMPROF_APPLY"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from memprof.collect.weak_ids import WeakIdMap
+from memprof.collect.hooks.weak_ids import WeakIdMap
 
 _TORCH = str(Path(torch.__file__).resolve().parent)
 _Running = tuple[torch.nn.Module, str]

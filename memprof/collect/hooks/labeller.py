@@ -8,7 +8,7 @@ moments modules start and end, no dispatch mode.
 
 Each sighting is cheap (a data pointer, a size, a clock reading), and so is each module
 mark (a clock reading and a path); the trace is labelled afterwards by
-``hook_labels.label_trace`` and ``hook_modules.module_trace``. The program runs as it
+``trace_labels.label_trace`` and ``trace_modules.module_trace``. The program runs as it
 would without memprof: no operator goes through Python, so ``torch.compile`` and the
 kernels are unchanged.
 """
@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from memprof.collect.cpu_recorder import SNAPSHOT_VERSION
-from memprof.collect.hook_labels import (
+from memprof.collect.hooks.module_stack import ModuleStack
+from memprof.collect.hooks.roles import RoleHooks
+from memprof.collect.hooks.trace_labels import (
     READ,
     Allocs,
     Event,
@@ -32,12 +33,11 @@ from memprof.collect.hook_labels import (
     step_ends,
     tag_trace,
 )
-from memprof.collect.hook_modules import Mark, Owner, module_trace
-from memprof.collect.module_stack import ModuleStack
-from memprof.collect.roles import RoleHooks
-from memprof.collect.storages import storages_behind
-from memprof.collect.warning_filters import COMPILE_WITH_GLOBAL_HOOKS, ignore, restore
-from memprof.collect.weak_ids import WeakIdMap
+from memprof.collect.hooks.trace_modules import Mark, Owner, module_trace
+from memprof.collect.hooks.warning_filters import COMPILE_WITH_GLOBAL_HOOKS, ignore, restore
+from memprof.collect.hooks.weak_ids import WeakIdMap
+from memprof.collect.recording import SNAPSHOT_VERSION
+from memprof.collect.tensors import storages_behind
 from memprof.trace.model import ACTIVATIONS, EVAL_ACTIVATIONS, GRADIENTS, WORKSPACE
 
 _Noted = WeakIdMap[tuple[object, str]]

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from memprof.collect.roles import RoleHooks
-from memprof.collect.storages import StorageTracker
+from memprof.collect.cpu.storages import StorageTracker
+from memprof.collect.hooks.roles import RoleHooks
 from memprof.trace.events import ACTION, TraceEvent
 from memprof.trace.model import (
     ACTIVATIONS,

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from memprof.collect.endings import Stop
+import memprof
+from memprof.collect.launch.endings import Stop
 from memprof.errors import MemprofError
 
 
@@ -149,7 +150,7 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     while tb is not None:
         frames.append(tb)
         tb = tb.tb_next
-    ours = _package_test(Path(__file__).resolve().parent.parent)
+    ours = _package_test(Path(memprof.__file__).resolve().parent)
     torch = sys.modules.get("torch")
     torchs = _package_test(Path(torch.__file__).parent) if torch is not None else ours
 
@@ -178,3 +179,8 @@ def _package_test(folder: Path) -> Callable[[str], bool]:
     """Whether a code object's file name is in ``folder``."""
     prefix = str(folder) + os.sep
     return lambda name: name.startswith(prefix)
+
+
+def torchrun_rank() -> tuple[int, int]:
+    """This process's (rank, world size) under torchrun; (0, 1) otherwise."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -19,7 +19,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-_MEMPROF = str(Path(__file__).resolve().parent.parent) + os.sep
+import memprof
+
+_MEMPROF = str(Path(memprof.__file__).resolve().parent) + os.sep
 _RETRY_S = 0.02
 
 
@@ -86,7 +88,7 @@ def stops(steps: int | None = None, seconds: float | None = None) -> Iterator[No
 def _step_limit(steps: int) -> Any:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from memprof.collect.step_pace import END, StepPace
+    from memprof.collect.hooks.step_pace import END, StepPace
 
     done = 0
     pace = StepPace()  # as the report counts steps: one per iteration of several optimizers

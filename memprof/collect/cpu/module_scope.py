@@ -26,8 +26,8 @@ from torch.nn.modules.module import (
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from memprof.collect.module_stack import ModuleStack
-from memprof.collect.storages import StorageTracker
+from memprof.collect.cpu.storages import StorageTracker
+from memprof.collect.hooks.module_stack import ModuleStack
 
 # the frame of a module's call: while its forward runs, it and the frames outside it stay
 _CALL_IMPL = torch.nn.Module._call_impl.__code__

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.multiprocessing.reductions as reductions
 
-from memprof.collect.storages import StorageTracker
+from memprof.collect.cpu.storages import StorageTracker
 
 _REBUILDERS = ("rebuild_storage_fd", "rebuild_storage_filename")
 _ORIGINAL = {name: getattr(reductions, name) for name in _REBUILDERS}

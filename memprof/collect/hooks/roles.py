@@ -27,11 +27,11 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from memprof.collect.forward_facts import ForwardFacts
-from memprof.collect.model_facts import model_facts
-from memprof.collect.step_pace import END, MOVE, StepPace
-from memprof.collect.storages import tensors_in
-from memprof.collect.weak_ids import WeakIdMap
+from memprof.collect.hooks.forward_facts import ForwardFacts
+from memprof.collect.hooks.model_facts import model_facts
+from memprof.collect.hooks.step_pace import END, MOVE, StepPace
+from memprof.collect.hooks.weak_ids import WeakIdMap
+from memprof.collect.tensors import tensors_in
 from memprof.trace.model import (
     ACTIVATIONS,
     BUFFERS,

@@ -38,12 +38,13 @@ from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
     _pop_mode,
-    is_traceable_wrapper_subclass_type,
 )
 
+from memprof.collect.cpu.op_facts import FUSED, MAY_ALIAS, SCORES, VIEW, op_facts
+from memprof.collect.cpu.score_ops import is_square
 from memprof.collect.frames import StackCapture
-from memprof.collect.op_facts import FUSED, MAY_ALIAS, SCORES, VIEW, op_facts
-from memprof.collect.score_ops import is_square
+from memprof.collect.recording import requested_peak
+from memprof.collect.tensors import storages_behind, tensors_in
 from memprof.trace.events import ACTION, ADDR, SIZE, STREAM, Stack, TraceEvent
 
 # Addresses for storages without a usable data pointer (zero bytes, meta, fake, or a
@@ -69,12 +70,6 @@ def _stop_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_stop_in_child)
-
-
-def requested_peak(nbytes: int) -> dict[str, int | None]:
-    """A recording's ``run_peak`` entry: ``nbytes`` requested at once (a CPU recording
-    knows no allocator's figures)."""
-    return {"requested_bytes": nbytes, "allocated_bytes": None, "reserved_bytes": None}
 
 
 class _StorageRef(weakref.ref):
@@ -118,35 +113,6 @@ def _dispatch_wrapper_codes() -> frozenset[int]:
     return probe.codes
 
 
-def tensors_in(obj: object) -> list[torch.Tensor]:
-    """Return the tensors in `obj`, a tensor or nested lists/tuples of them."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    found: list[torch.Tensor] = []
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            if isinstance(item, torch.Tensor):
-                found.append(item)
-            elif isinstance(item, (list, tuple)):
-                found += tensors_in(item)
-    return found
-
-
-_WRAPPER_TYPES: dict[type, bool] = {torch.Tensor: False}  # type -> a traceable wrapper subclass
-
-
-def storages_behind(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    kind = type(t)
-    wrapper = _WRAPPER_TYPES.get(kind)
-    if wrapper is None:
-        wrapper = _WRAPPER_TYPES[kind] = is_traceable_wrapper_subclass_type(kind)
-    if wrapper:
-        inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
-        return [st for x in inner if isinstance(x, torch.Tensor) for st in storages_behind(x)]
-    try:
-        return [t.untyped_storage()]
-    except (RuntimeError, NotImplementedError):  # sparse, nested, ...: no single storage
-        return []
 
 
 class StorageTracker(_PlainMode):

@@ -1,5 +1,9 @@
 """The CPU recorder: every tensor storage alloc/free of a run, as a labelled snapshot.
 
+    recording = record(target, options)  # memprof run --device cpu
+
+or, around any code:
+
     with CpuRecorder() as recorder:
         runpy.run_path("train.py", run_name="__main__")
     snapshot = recorder.snapshot()  # as torch.cuda.memory._snapshot() returns it
@@ -20,15 +24,22 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-from memprof.collect.eager_compile import EagerCompile
-from memprof.collect.labels import LabelHooks
-from memprof.collect.module_scope import ModuleScope
-from memprof.collect.storages import StorageTracker
-from memprof.collect.threads import ThreadModes, inherited
-from memprof.collect.worker_batches import WorkerBatches
+from memprof.collect.cpu.labels import LabelHooks
+from memprof.collect.cpu.module_scope import ModuleScope
+from memprof.collect.cpu.storages import StorageTracker
+from memprof.collect.cpu.worker_batches import WorkerBatches
+from memprof.collect.launch.eager_compile import EagerCompile
+from memprof.collect.launch.script import Target
+from memprof.collect.launch.threads import ThreadModes, inherited
+from memprof.collect.recording import (
+    SNAPSHOT_VERSION,
+    Recording,
+    RunOptions,
+    predict_cuda_layout,
+    run_profiled,
+)
+from memprof.heap import frozen, trim
 from memprof.trace.events import ACTION
-
-SNAPSHOT_VERSION = 1
 
 
 class CpuRecorder:
@@ -129,3 +140,16 @@ class CpuRecorder:
         paths = self._tracker.modules
         return [[i, paths[id(e)]] for i, e in enumerate(self._tracker.events)
                 if e[ACTION] == "alloc" and id(e) in paths]
+
+
+def record(target: Target, options: RunOptions) -> Recording:
+    """Run ``target`` under the CPU recorder: its host tensors, laid out in CUDA memory as
+    the caching allocator would place them."""
+    recorder = CpuRecorder(StorageTracker(options.max_entries))
+    with recorder:
+        outcome, seconds = run_profiled(target, options)
+    trim()  # what the script freed, before memprof's own work on the trace
+    with frozen():
+        snapshot, tally = predict_cuda_layout(recorder.snapshot(), options.settings)
+    return Recording(snapshot, outcome, "cpu (CUDA memory predicted)", True, seconds,
+                     tally=tally)

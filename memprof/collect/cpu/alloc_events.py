@@ -41,7 +41,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-from memprof.collect.warning_filters import PROFILER_WITHOUT_OPERATORS, ignore, restore
+from memprof.collect.hooks.warning_filters import PROFILER_WITHOUT_OPERATORS, ignore, restore
 from memprof.errors import MemprofError
 from memprof.trace.events import ACTION, ADDR, TraceEvent
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from memprof.collect.storages import tensors_in
+from memprof.collect.tensors import tensors_in
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 SMALL_TENSOR = 4096  # bitsandbytes keeps 32-bit optimizer state below this many elements
