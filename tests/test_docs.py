@@ -48,9 +48,8 @@ def test_relative_links_lead_somewhere(page: Path) -> None:
             continue
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
-        if not dest.exists():
-            broken.append(target)
-        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+        missing_anchor = anchor and dest.suffix == ".md" and anchor not in _anchors(dest)
+        if not dest.exists() or missing_anchor:
             broken.append(target)
     assert not broken, f"{page.name}: broken links {broken}"
 
