@@ -79,7 +79,7 @@ def _card(config: pytest.Config) -> str | None:
         if spec is not None:
             parse_spec(spec)  # a bad spec is a usage error before any test runs
     except ValueError as exc:
-        raise pytest.UsageError(f"--memprof-virtual-gpu {spec!r}: {exc}") from None
+        raise pytest.UsageError(f"--memprof-virtual-gpu: {exc}") from None
     return spec
 
 
@@ -92,7 +92,7 @@ def _marker_args(marker: pytest.Mark) -> tuple[int, Any]:
                                 " @pytest.mark.memprof_limit('512 MiB')")
     try:
         size = marker.args[0]
-        limit = size if isinstance(size, int) else parse_size(str(size))
+        limit = parse_size(str(size))  # an int too: bounded like any size
         return limit, parse_metric(marker.kwargs.get("metric", "peak_allocated"))
     except ValueError as exc:
         raise pytest.UsageError(f"memprof_limit: {exc}") from None

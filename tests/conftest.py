@@ -23,6 +23,13 @@ GROUNDTRUTH_SNAPSHOTS = FIXTURES.parent / "groundtruth" / "snapshots"
 GPU_FIXTURES = ROOT / "tests" / "fixtures" / "gpu"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_config_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """memprof's secret (``report/provenance.py``) in a folder of the suite's own, for the
+    suite's processes and the ones they start, never the user's."""
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config"))
+
+
 def fixture_files() -> list[Path]:
     """Every real snapshot: the shared fixtures folders' (absent on a machine without
     them) and this project's GPU recordings."""

@@ -59,7 +59,8 @@ def test_device_names_round_trip():
 
 
 @pytest.mark.parametrize(("spec", "total"), [
-    ("24GiB", 24 << 30), ("24GB", 24 << 30), ("24000MB", 24000 << 20), ("1.5 TiB", 3 << 39),
+    ("24GiB", 24 << 30), ("24G", 24 << 30), ("1.5 TiB", 3 << 39),
+    ("24GB", 24 * 10**9), ("24000MB", 24 * 10**9),  # decimal, as every size memprof reads
 ])
 def test_sizes_make_a_card_of_that_memory(spec, total):
     card = parse_spec(spec)

@@ -4,6 +4,7 @@ the real command line, its exit codes and outputs."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from xml.etree import ElementTree
@@ -211,6 +212,62 @@ def test_text_from_a_report_cannot_drive_the_terminal(runs, tmp_path):
     result = check(tmp_path, edited(runs["base"], tmp_path, "forged", forge), "-b", runs["base"])
     assert result.code == 1
     assert "\x1b" not in result.stdout and "\\x1b[2J\\nREGRESSION" in result.stdout
+
+
+FORGED = ["nul\x00esc\x1b[2Jbel\x07", "a|b\n| forged | row | 1 | 2 |",
+          "![x](https://evil.example/x.png)", "<img src=x onerror=alert(1)>", "@everyone",
+          "`code` [link](https://evil.example)"]
+
+
+def _forge_names(data):
+    """Module and site names from a report, each a markdown or XML injection."""
+    device = data["devices"][0]
+    device["peak"]["allocated_bytes"] *= 2
+    for entries, key in ((device["top_modules"], "module"), (device["top_sites"], "site")):
+        for entry, name in zip(entries, FORGED, strict=False):
+            entry[key] = name
+            entry["bytes"] *= 40
+
+
+def _outside_code_spans(line: str) -> str:
+    return re.sub(r"(`+) .*? \1", "", line)
+
+
+def test_names_from_a_report_are_text_in_markdown(runs, tmp_path):
+    forged = edited(runs["base"], tmp_path, "forged", _forge_names)
+    md = check(tmp_path, forged, "-b", runs["base"], "--format", "markdown")
+    assert md.code == 1, md.stderr
+    table = [line for line in md.stdout.splitlines() if line.startswith("|")]
+    rows = table[2:]
+    assert len(rows) >= 1 + len(FORGED) and not any("forged" in r.split("|")[1] for r in rows)
+    for line in table:  # every row keeps its columns: a name's pipe is escaped
+        assert len(re.findall(r"(?<!\\)\|", line)) == line.count("|") - line.count("\\|")
+        bare = _outside_code_spans(line)
+        for mark in ("<", "![", "](", "@", "\x00", "\x1b"):
+            assert mark not in bare, (mark, line)
+    assert all(r.count("|") - r.count("\\|") in (5, 8) for r in table)
+    assert "\x00" not in md.stdout and "\x1b" not in md.stdout
+
+
+def test_names_from_a_report_keep_junit_valid_xml(runs, tmp_path):
+    forged = edited(runs["base"], tmp_path, "forged", _forge_names)
+    junit = check(tmp_path, forged, "-b", runs["base"], "--format", "junit")
+    assert junit.code == 1, junit.stderr
+    suite = ElementTree.fromstring(junit.stdout)  # a NUL or ESC would make it invalid XML
+    assert not re.search(r"[\x00-\x08\x0b\x0c\x0e-\x1f]", junit.stdout)
+    assert "nul\\x00esc" in suite.find("testcase/failure").text
+
+
+@pytest.mark.parametrize("rank", ["\x1b[2J", "0\x00", [1], 1.5, -1])
+def test_a_rank_that_is_not_a_rank_is_refused(runs, tmp_path, rank):
+    def forge(data):
+        data["devices"][0]["rank"] = rank
+
+    result = check(tmp_path, edited(runs["base"], tmp_path, "rank", forge), "-b", runs["base"],
+                   "--format", "junit")
+    assert result.code == 2 and result.stdout == "", result.stdout
+    line, = result.stderr.strip().splitlines()
+    assert "devices[0].rank" in line and "\x1b" not in line
 
 
 def test_run_max_peak_fails_the_run_after_reporting(tmp_path):

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from typing import Any
 from memprof.advise.peak import Peak, peak_of
 from memprof.advise.source import Run
 from memprof.errors import MemprofError
+from memprof.report.provenance import signed_here
 
 RERUN_STEPS = 3  # the peak of a training step shows by its second or third step
 MAX_BATCH = 1 << 16
@@ -41,20 +43,31 @@ class Rerun:
     cwd: str | None = None  # the folder it ran from (None: the current one)
 
     @classmethod
-    def of(cls, run: Run) -> Rerun:
+    def of(cls, run: Run, given: list[str] | None = None) -> Rerun:
+        """How to re-run ``run``: its recorded command, only when ``memprof run`` here wrote
+        the report (``provenance.py``); else ``given``, the command the user typed (the
+        script and its arguments, from the current folder)."""
         facts = run.facts
         command = facts.get("command")
         if not isinstance(command, list) or len(command) < 3 or command[:2] != ["memprof", "run"]:
             raise MemprofError(f"{run.path}: not the report of a memprof run (a snapshot or an"
                                " explain report): --verify and --fit-batch re-run its script")
-        virtual = facts.get("virtual_gpu")
-        where = ["--virtual-gpu", virtual["spec"]] if isinstance(virtual, dict) else \
-            ["--device", "cpu" if facts.get("predicted") else "cuda"]
-        done = facts.get("optimizer_steps") or 0
-        cwd = facts.get("cwd") if isinstance(facts.get("cwd"), str) else None
-        rerun = cls([str(c) for c in command[2:]], where,
-                    min(done, RERUN_STEPS) if done else None,
-                    str(facts.get("allocator_conf") or ""), cwd)
+        recorded = [str(c) for c in command[2:]]
+        if given is None and not signed_here(facts):
+            raise MemprofError(
+                f"{run.path}: --verify and --fit-batch re-run the command a report recorded"
+                f" ({_gist(shlex.join(recorded), 120)}), and this report was not written by"
+                " memprof run here, for you: check that command, then give it with"
+                " --rerun-command 'SCRIPT ARGS' to re-run it from this folder")
+        where = _where(run.path, facts)
+        conf = facts.get("allocator_conf") or ""
+        if not isinstance(conf, str) or _bad_conf(conf):
+            raise MemprofError(f"{run.path}: run.allocator_conf is not allocator settings")
+        done = facts.get("optimizer_steps")
+        done = done if isinstance(done, int) and not isinstance(done, bool) and done > 0 else 0
+        cwd = facts.get("cwd") if given is None and isinstance(facts.get("cwd"), str) else None
+        rerun = cls(given or recorded, where, min(done, RERUN_STEPS) if done else None, conf,
+                    cwd)
         if rerun.target[0] != "-m" and not Path(cwd or ".", rerun.script).is_file():
             where_from = f"from {cwd}, where it ran" if cwd else \
                 "from here (run memprof suggest in the folder memprof run ran in)"
@@ -106,6 +119,47 @@ class Rerun:
     @property
     def args(self) -> list[str]:
         return self.target[self.target.index(self.script) + 1:]
+
+
+def given_command(text: str) -> list[str]:
+    """``--rerun-command``: the script (or ``-m module``) and its arguments, as typed after
+    ``memprof run`` (a leading ``memprof run`` is allowed)."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise MemprofError(f"--rerun-command {text!r}: {exc}") from None
+    if words[:2] == ["memprof", "run"]:
+        words = words[2:]
+    if not words or (words[0].startswith("-") and (words[0] != "-m" or len(words) < 2)):
+        raise MemprofError(f"--rerun-command {text!r}: expected a script and its arguments"
+                           " (train.py --batch 8) or -m MODULE and its arguments")
+    return words
+
+
+def _where(path: Path, facts: dict[str, Any]) -> list[str]:
+    """The re-run's device options: the recorded virtual GPU (a card memprof knows), the
+    CPU recorder, or the GPU."""
+    virtual = facts.get("virtual_gpu")
+    if not isinstance(virtual, dict):
+        return ["--device", "cpu" if facts.get("predicted") is True else "cuda"]
+    from memprof.collect.virtual.cards import parse_spec
+
+    spec = virtual.get("spec")
+    try:
+        parse_spec(spec if isinstance(spec, str) else "")
+    except ValueError:
+        raise MemprofError(f"{path}: run.virtual_gpu.spec is not a card memprof knows") from None
+    return ["--virtual-gpu", spec]
+
+
+def _bad_conf(conf: str) -> bool:
+    from memprof.analysis.settings import parse_alloc_conf
+
+    try:
+        parse_alloc_conf(conf)
+    except ValueError:
+        return True
+    return False
 
 
 def _die_with_parent() -> None:

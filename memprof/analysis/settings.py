@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from memprof.trace.model import AllocatorSettings
 
 MODELLED = ("expandable_segments", "max_split_size_mb", "roundup_power2_divisions",
@@ -12,27 +14,52 @@ HOST_ONLY = ("pinned_use_cuda_host_register", "pinned_num_register_threads",
              "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse")
 
 
+MAX_DIVISIONS = 1 << 16  # far above any useful rounding; what a snapshot's reader accepts
+MAX_SPLIT_MB = 1 << 24  # 16 TiB
+
+
 def parse_alloc_conf(conf: str) -> AllocatorSettings:
-    """Read ``PYTORCH_CUDA_ALLOC_CONF`` as PyTorch does (MiB sizes); raise ValueError."""
+    """Read ``PYTORCH_CUDA_ALLOC_CONF`` as PyTorch does (MiB sizes), refusing what PyTorch
+    refuses (a threshold outside (0, 1), divisions not a power of two); raise ValueError."""
     fields: dict[str, object] = {"conf": conf}
     for item in filter(None, (p.strip() for p in conf.split(","))):
         key, _, value = (s.strip() for s in item.partition(":"))
         if key == "expandable_segments":
+            if value.lower() not in ("true", "false"):
+                raise ValueError("expandable_segments must be True or False")
             fields["expandable_segments"] = value.lower() == "true"
         elif key == "max_split_size_mb":
-            fields["max_split_size"] = int(value) << 20
+            fields["max_split_size"] = _whole(key, value, MAX_SPLIT_MB) << 20
         elif key == "roundup_power2_divisions":
-            if not value.isdigit():
+            if value.startswith("["):
                 raise ValueError("only the single-number form of roundup_power2_divisions is read")
-            fields["roundup_power2_divisions"] = (int(value),) * 16
+            divisions = _whole(key, value, MAX_DIVISIONS)
+            if divisions & (divisions - 1):
+                raise ValueError("roundup_power2_divisions must be a power of two, as"
+                                 " PyTorch requires")
+            fields["roundup_power2_divisions"] = (divisions,) * 16
         elif key == "garbage_collection_threshold":
-            fields["garbage_collection_threshold"] = float(value)
+            try:
+                threshold = float(value)
+            except ValueError:
+                threshold = math.nan
+            if not 0 < threshold < 1:  # also NaN
+                raise ValueError("garbage_collection_threshold must be between 0 and 1,"
+                                 " as PyTorch requires (0.6, say)")
+            fields["garbage_collection_threshold"] = threshold
         elif key == "backend":
             fields["backend"] = value
         elif key not in HOST_ONLY:
             raise ValueError(f"allocator setting {key!r} is not modelled"
                              f" (modelled: {', '.join(MODELLED)})")
     return AllocatorSettings(**fields)  # type: ignore[arg-type]
+
+
+def _whole(key: str, value: str, limit: int) -> int:
+    """``value`` as a whole number up to ``limit``."""
+    if not value.isdigit() or len(value) > 12 or int(value) > limit:
+        raise ValueError(f"{key} must be a whole number up to {limit:,}")
+    return int(value)
 
 
 def unmodelled(settings: AllocatorSettings, capped: bool = True) -> list[str]:

@@ -10,8 +10,9 @@ import typer
 from rich.console import Console
 
 from memprof.cli.options import flag
-from memprof.cli.sizes import parse_size
 from memprof.errors import MemprofError
+from memprof.sizes import parse_size
+from memprof.trace.fields import describe
 
 if TYPE_CHECKING:
     from memprof.trace.model import AllocatorSettings
@@ -148,10 +149,10 @@ def _settings(conf: str, option: str, capped: bool) -> AllocatorSettings:
     try:
         settings = parse_alloc_conf(conf)
     except ValueError as exc:
-        raise MemprofError(f"{option} {conf!r}: {exc}"
+        raise MemprofError(f"{option} {describe(conf, 100)}: {exc}"
                            " (expected e.g. 'expandable_segments:True,max_split_size_mb:128')"
                            ) from None
     problems = unmodelled(settings, capped)
     if problems:
-        raise MemprofError(f"{option} {conf!r}: {'; '.join(problems)}")
+        raise MemprofError(f"{option} {describe(conf, 100)}: {'; '.join(problems)}")
     return settings

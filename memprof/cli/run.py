@@ -14,10 +14,12 @@ from rich.console import Console
 
 from memprof.cli.options import flag
 from memprof.errors import MemprofError
+from memprof.trace.fields import describe
 
 # PyTorch's allocator history and memprof's recorders alike: enough for the few steps a memory
 # profile needs; a longer run keeps its last events (and every allocation still alive)
 DEFAULT_MAX_ENTRIES = 1_000_000
+MIN_SECONDS, MAX_SECONDS = 0.001, 1e9  # --seconds: a timer's resolution; 30 years
 
 if TYPE_CHECKING:
     from memprof.analysis.findings import DeviceFindings, Findings
@@ -68,7 +70,7 @@ def run(
         "--steps", min=1, help="Stop the script cleanly after this many optimizer steps and"
         " write the report (exit 0).", show_default=False)] = None,
     seconds: Annotated[float | None, typer.Option(
-        "--seconds", min=0.001, help="Stop the script cleanly after this many seconds and"
+        "--seconds", help="Stop the script cleanly after this many seconds and"
         " write the report (exit 0).", show_default=False)] = None,
     timeline: Annotated[bool, flag(
         "--timeline/--no-timeline", help="Draw timeline.png, or skip it and matplotlib's"
@@ -102,6 +104,9 @@ def run(
                                                                      False)
     target.check()  # before the slow imports: a typo gets its answer at once
     limit = _max_peak(max_peak)
+    if seconds is not None and not MIN_SECONDS <= seconds <= MAX_SECONDS:  # NaN too
+        raise MemprofError(f"--seconds {seconds}: expected a number of seconds from"
+                           f" {MIN_SECONDS:g} to {MAX_SECONDS:g}")
 
     from memprof.analysis.settings import parse_alloc_conf, unmodelled
     from memprof.collect.cuda.history import available as cuda_available
@@ -128,10 +133,10 @@ def run(
     try:
         settings = parse_alloc_conf(conf)
     except ValueError as exc:
-        raise MemprofError(f"allocator settings {conf!r}: {exc}") from None
+        raise MemprofError(f"allocator settings {describe(conf, 100)}: {exc}") from None
     problems = unmodelled(settings, capped=card is not None)
     if problems and not use_cuda:
-        raise MemprofError(f"allocator settings {conf!r} for the prediction:"
+        raise MemprofError(f"allocator settings {describe(conf, 100)} for the prediction:"
                            f" {'; '.join(problems)}")
     rank, world = torchrun_rank()
     folder = run_folder(target.stem, output, world).absolute()  # the script may chdir
@@ -248,10 +253,11 @@ def _facts(recording: Recording, meta: dict[str, Any], target: Target,
 
     from memprof.collect.launch.script import torchrun_rank
     from memprof.report.console import NO_STEPS_RECORDED
+    from memprof.report.provenance import sign
 
     outcome = recording.outcome
     this_rank, world = torchrun_rank()
-    return {
+    facts = {
         "command": _command(target),
         **launched,
         "torch_version": torch.__version__,
@@ -269,6 +275,7 @@ def _facts(recording: Recording, meta: dict[str, Any], target: Target,
         "model": meta.get("model") or None,
         **({"virtual_gpu": recording.virtual_gpu} if recording.virtual_gpu else {}),
     }
+    return {**facts, "signature": sign(facts)}
 
 
 def _command(target: Target) -> list[str]:
@@ -313,4 +320,4 @@ def virtual_card(spec: str | None, by_default: bool) -> Card | None:
     try:
         return parse_spec(spec)
     except ValueError as exc:
-        raise MemprofError(f"--virtual-gpu {spec!r}: {exc}") from None
+        raise MemprofError(f"--virtual-gpu: {exc}") from None

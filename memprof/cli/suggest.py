@@ -25,7 +25,8 @@ def suggest(
         "--gpus", min=1, help="GPUs the job may use: 2 or more enables ZeRO/FSDP.")] = 1,
     verify: Annotated[bool, flag(
         "--verify", help="Re-run the script (as its report recorded it, a few steps, on the"
-        " same virtual GPU) with each remedy memprof can apply itself (autocast,"
+        " same virtual GPU; only a report memprof run wrote here, else --rerun-command) with"
+        " each remedy memprof can apply itself (autocast,"
         " checkpointing of the repeated blocks, allocator settings, micro-batches with"
         " --batch-arg) and show the measured peaks next to the estimates.")] = False,
     batch_arg: Annotated[str | None, typer.Option(
@@ -35,6 +36,11 @@ def suggest(
         "--fit-batch", metavar="NAME", help="Find the largest value of the script's --NAME"
         " whose peak fits the budget, by re-running it (doubling, then bisection).",
         show_default=False)] = None,
+    rerun_command: Annotated[str | None, typer.Option(
+        "--rerun-command", metavar="'SCRIPT ARGS'", help="What --verify and --fit-batch"
+        " re-run, from this folder: the script and its arguments as after `memprof run`."
+        " Needed for a report that memprof run did not write here, for you (one handed"
+        " over): its recorded command is never run unasked.", show_default=False)] = None,
     as_json: Annotated[bool, flag(
         "--json", help="Print the advice as JSON (the report schema) instead.")] = False,
 ) -> None:
@@ -63,14 +69,17 @@ def suggest(
         chosen = parse_budget(budget)
     except ValueError as exc:
         raise MemprofError(str(exc)) from None
+    if rerun_command is not None and not (verify or fit_batch):
+        raise MemprofError("--rerun-command names what --verify or --fit-batch re-run: give"
+                           " one of them too")
     run = load_run(source if source is not None else newest_run(Path("reports")))
     advice = advise(run, chosen, gpus)
     notes = Console(stderr=True, soft_wrap=True, highlight=False)
     measured, batch = None, None
     if verify or fit_batch:
-        from memprof.advise.rerun import Rerun
+        from memprof.advise.rerun import Rerun, given_command
 
-        rerun = Rerun.of(run)
+        rerun = Rerun.of(run, None if rerun_command is None else given_command(rerun_command))
         if rerun.steps is None:
             took = run.facts.get("duration_s")
             notes.print(f"memprof: the run recorded no optimizer step, so each re-run runs the"

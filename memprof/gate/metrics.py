@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memprof.sizes import parse_size
+from memprof.trace.fields import describe
 from memprof.trace.model import CATEGORIES
 
 PEAK_METRICS = {"peak_allocated": "allocated_bytes", "peak_reserved": "reserved_bytes"}
@@ -70,10 +71,10 @@ def parse_limit(text: str) -> Limit:
         except ValueError:
             percent = -1.0
         if not 0 <= percent < 1e6:  # also refuses nan
-            raise ValueError(f"--max-increase {text!r}: expected a percentage such as 5%")
+            raise ValueError(f"--max-increase {describe(text)}: expected a percentage such as 5%")
         return Limit(stripped, fraction=percent / 100)
     try:
         return Limit(stripped, bytes=parse_size(stripped))
     except ValueError:
-        raise ValueError(f"--max-increase {text!r}: expected a percentage (5%) or a size"
+        raise ValueError(f"--max-increase {describe(text)}: expected a percentage (5%) or a size"
                          " (200MiB)") from None

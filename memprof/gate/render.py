@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 from xml.etree import ElementTree
 
@@ -104,7 +105,8 @@ def junit(verdict: Verdict) -> str:
         verdict.devices)), failures=str(sum(d.verdict == REGRESSION for d in verdict.devices)))
     for d in verdict.devices:
         case = ElementTree.SubElement(suite, "testcase", classname="memprof.check",
-                                      name=f"device {d.device}{_rank(d)} {verdict.metric.name}")
+                                      name=visible(f"device {d.device}{_rank(d)}"
+                                                   f" {verdict.metric.name}"))
         if d.verdict == REGRESSION:
             failure = ElementTree.SubElement(case, "failure", message=visible(headline(verdict,
                                                                                         d)))
@@ -131,4 +133,9 @@ def _item(c: Change) -> str:
 
 
 def _md(s: str) -> str:
-    return visible(s).replace("|", "\\|")
+    """``s`` as markdown shows it verbatim in a table cell: a code span (no link, image,
+    HTML, emphasis or @mention is read inside one), its pipes escaped as GitHub's tables
+    need, non-printable characters shown as escapes."""
+    shown = visible(s).replace("|", "\\|")
+    fence = "`" * (max((len(run) for run in re.findall("`+", shown)), default=0) + 1)
+    return f"{fence} {shown} {fence}"

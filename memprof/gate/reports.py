@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from memprof.errors import MemprofError
+from memprof.report.checked import first_problem
 from memprof.report.json import SCHEMA
+from memprof.trace.fields import describe
 
 REPORT_NAME = "report.json"
 MAX_REPORT_BYTES = 256 << 20  # a report is kilobytes; anything near this is not one
@@ -67,19 +69,7 @@ def _problem(data: Any) -> str | None:
     if not isinstance(data, dict):
         return "expected a JSON object"
     if data.get("schema") != SCHEMA:
-        return f"schema {str(data.get('schema'))[:40]!r}, expected {SCHEMA!r}"
-    devices = data.get("devices")
-    if not isinstance(devices, list) or not devices:
+        return f"schema {describe(data.get('schema'))}, expected {SCHEMA!r}"
+    if data.get("devices") == []:
         return "no devices"
-    for d in devices:
-        peak = d.get("peak") if isinstance(d, dict) else None
-        if not isinstance(peak, dict) or not isinstance(d.get("device"), int):
-            return "a device without its peak"
-        for key in ("allocated_bytes", "reserved_bytes"):
-            if not _is_bytes(peak.get(key)):
-                return f"peak.{key} is not a byte count"
-    return None
-
-
-def _is_bytes(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return first_problem(data)

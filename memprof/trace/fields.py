@@ -49,13 +49,14 @@ def text(raw: Mapping[str, Any], key: str, default: str = "") -> str:
     return value if type(value) is str else default
 
 
-def describe(value: object) -> str:
-    """A short description of a raw value for an error message (never its whole repr)."""
+def describe(value: object, limit: int = 40) -> str:
+    """A short description of a raw value for an error message (never its whole repr; a
+    string's first ``limit`` characters)."""
     if isinstance(value, bool | float) or value is None:
         return repr(value)
     if isinstance(value, int):
         bits = value.bit_length()
         return f"{value:,}" if bits < 64 else f"an integer of {bits} bits"
     if isinstance(value, str):
-        return repr(value[:40] + ("..." if len(value) > 40 else ""))
+        return repr(value[:limit] + ("..." if len(value) > limit else ""))
     return f"a {type(value).__name__}"

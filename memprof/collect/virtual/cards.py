@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from memprof.sizes import parse_size
+from memprof.trace.fields import describe
 
 _MIB = 1 << 20
 
@@ -137,7 +138,7 @@ def parse_spec(text: str) -> Card:
         total = None
     if total is None or total <= DEFAULT_CARD.context_bytes:
         raise ValueError(
-            f"unknown virtual GPU {text!r}: give a card ({card_names()}) "
+            f"unknown virtual GPU {describe(text)}: give a card ({card_names()}) "
             f"or a memory size above the {DEFAULT_CARD.context_bytes // _MIB} MiB "
             "CUDA context, such as 24GiB"
         )
