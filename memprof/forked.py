@@ -40,7 +40,7 @@ class Forked(Generic[T]):
         self._pid: int | None = None
         self._pipe = -1  # the child's pickled outcome arrives here
         self._outcome: tuple[bool, object] | None = None  # (raised, value) of a call made here
-        if not _can_fork():
+        if not can_fork():
             self._outcome = _outcome(call)
             return
         read, end = os.pipe()
@@ -99,7 +99,8 @@ def _wait(pid: int) -> int:
         return 0
 
 
-def _can_fork() -> bool:
+def can_fork() -> bool:
+    """Whether a forked copy of memprof works here: not on macOS, not once CUDA is up."""
     if not hasattr(os, "fork") or sys.platform == "darwin":  # macOS: fork with threads hangs
         return False
     torch = sys.modules.get("torch")

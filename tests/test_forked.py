@@ -32,7 +32,7 @@ def test_its_error_is_raised_here_with_its_type_and_exit_code(tmp_path: Path) ->
 
 
 def test_without_fork_the_call_is_made_here(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(forked, "_can_fork", lambda: False)
+    monkeypatch.setattr(forked, "can_fork", lambda: False)
     with Forked(os.getpid) as work:
         assert work.result() == os.getpid()
 

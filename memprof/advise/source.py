@@ -42,9 +42,14 @@ def newest_run(reports: Path) -> Path:
     return max(folders, key=lambda p: p.stat().st_mtime)
 
 
+def is_snapshot(source: Path) -> bool:
+    """Whether SOURCE is a snapshot file (not a run folder or a report.json)."""
+    return source.is_file() and source.suffix != ".json"
+
+
 def load_run(source: Path) -> Run:
     """Read SOURCE: a run folder, a report.json, or a PyTorch snapshot (errors: one line)."""
-    if source.is_file() and source.suffix != ".json":
+    if is_snapshot(source):
         return _from_snapshot(source)
     report = load_report(source, "source")
     folder = report.path.parent

@@ -58,6 +58,7 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         # most replays never ask)
         self._starts: list[int] | None = None
         self.segments: dict[int, Segment] = {}
+        self.range_ends: dict[tuple[int, int], Segment] = {}  # expandable, by (stream, end)
         self.segment_changes = 0  # counts every change to ``segments`` (a segment's size too)
         self.allocated = 0  # block bytes held by tensors (max_memory_allocated's stat)
         self.requested = 0
@@ -124,8 +125,10 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         seg = Segment(addr, total, stream, pool, small, expandable)
         seg.free_keys = self._free.setdefault((pool, small, stream), [])
         block = Block(addr, total, seg)
-        seg.first = block
+        seg.first = seg.last = block
         self.segments[addr] = seg
+        if expandable:
+            self.range_ends[stream, addr + total] = seg
         self.segment_changes += 1
         self._index(block)
         self._insert_free(block)
@@ -142,6 +145,8 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         self._remove_free(block)
         self._unindex(block.addr)
         del self.segments[seg.addr]
+        if seg.expandable:
+            del self.range_ends[seg.stream, seg.addr + seg.total]
         self.segment_changes += 1
         self.reserved -= seg.total
         seg.group[0] -= 1
@@ -330,6 +335,8 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
             block.next = other.next
             if other.next is not None:
                 other.next.prev = block
+            else:
+                block.seg.last = block
         block.size += other.size
 
     def _take(self, addr: int, size: int) -> Block:
@@ -358,6 +365,8 @@ class CachingAllocator(ExpandableSegments, CacheRelease):
         rest.prev, rest.next = block, block.next
         if block.next is not None:
             block.next.prev = rest
+        else:
+            block.seg.last = rest
         block.next = rest
         block.size = size
         self._index(rest)

@@ -40,8 +40,8 @@ class Block:
 class Segment:
     """Device memory from one cudaMalloc (or one expandable range); blocks tile it."""
 
-    __slots__ = ("addr", "expandable", "first", "free_keys", "group", "pool", "small", "stream",
-                 "total")
+    __slots__ = ("addr", "expandable", "first", "free_keys", "group", "last", "pool", "small",
+                 "stream", "total")
 
     def __init__(self, addr: int, total: int, stream: int, pool: tuple[int, int], small: bool,
                  expandable: bool = False) -> None:
@@ -52,6 +52,7 @@ class Segment:
         self.small = small
         self.expandable = expandable
         self.first: Block | None = None
+        self.last: Block | None = None  # where an expandable range grows
         self.free_keys: list[int] = []  # its pool and stream's free list, set on adding
         self.group: list[int] = [0, 0, 0]  # its (pool, stream)'s counters, set on adding
 

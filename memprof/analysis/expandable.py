@@ -39,15 +39,11 @@ class ExpandableSegments:
 
         Each contiguous mapped range is one segment, as snapshots report them.
         """
-        for seg in self.segments.values():
-            if seg.expandable and seg.stream == stream and seg.addr + seg.total == addr:
-                break
-        else:
+        seg = self.range_ends.pop((stream, addr), None)
+        if seg is None:
             small = size % LARGE_BUFFER != 0 if small is None else small
             return self.add_segment(addr, size, stream, pool, small, expandable=True)
-        last = seg.first
-        while last is not None and last.next is not None:
-            last = last.next
+        last = seg.last
         assert last is not None
         if last.cached:
             self._remove_free(last)
@@ -56,9 +52,11 @@ class ExpandableSegments:
         else:
             tail = Block(addr, size, seg)
             tail.prev, last.next = last, tail
+            seg.last = tail
             self._index(tail)
             self._insert_free(tail)
         seg.total += size
+        self.range_ends[stream, seg.addr + seg.total] = seg
         self.segment_changes += 1
         self.reserved += size
         seg.group[1] += size
@@ -74,6 +72,7 @@ class ExpandableSegments:
         group[1] -= seg.total
         self.reserved -= seg.total
         del self.segments[seg.addr]
+        del self.range_ends[seg.stream, seg.addr + seg.total]
         self.segment_changes += 1
         for first, last in ((seg.first if before else None, before), (after, None)):
             if first is None:
@@ -87,8 +86,9 @@ class ExpandableSegments:
             while b is not None:
                 b.seg = part
                 part.total += b.size
-                b = b.next
+                part.last, b = b, b.next
             self.segments[part.addr] = part
+            self.range_ends[part.stream, part.addr + part.total] = part
             self.reserved += part.total
             group[0] += 1
             group[1] += part.total
@@ -106,7 +106,8 @@ class ExpandableSegments:
         seg = max(ranges, key=lambda s: s.addr, default=None)
         if seg is None:
             return -1, -(-rounded // page) * page
-        last = seg.blocks()[-1]
+        last = seg.last
+        assert last is not None
         free_tail = last.size if last.cached else 0
         return seg.addr + seg.total - free_tail, -(-(rounded - free_tail) // page) * page
 
@@ -114,5 +115,6 @@ class ExpandableSegments:
         addr, need = self.grow_plan(rounded, stream, pool)
         last = self.block_at(addr) if addr >= 0 else None
         map_at = self._synthetic_address(1 << 40) if addr < 0 else addr + (last.size if last else 0)
-        seg = self.map_pages(map_at, need, stream, pool, rounded <= SMALL_SIZE)
-        return seg.blocks()[-1]
+        last = self.map_pages(map_at, need, stream, pool, rounded <= SMALL_SIZE).last
+        assert last is not None
+        return last

@@ -64,10 +64,13 @@ def explain(snapshot: Snapshot, source: str = "", devices: Sequence[int] | None 
     is the placement's own.
     """
     chosen = snapshot.devices if devices is None else [d for d in snapshot.devices if d in devices]
+    segments: dict[int, list[Segment]] = {}
+    for s in snapshot.segments:
+        segments.setdefault(s.device, []).append(s)
     found = []
     for d in chosen:
         try:
-            found.append(_device(snapshot, d, top, what_ifs, device_memory,
+            found.append(_device(snapshot, d, segments.get(d, []), top, what_ifs, device_memory,
                                  (placed or {}).get(d)))
         except (KeyError, IndexError, ValueError, AssertionError) as exc:
             # a well-formed file whose trace contradicts itself (or its final segments) in a
@@ -88,10 +91,10 @@ def merge_ranks(source: str, per_rank: Sequence[Findings]) -> Findings:
                     devices=[d for f in per_rank for d in f.devices])
 
 
-def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[AllocatorSettings],
-            device_memory: int | None, tally: Tally | None = None) -> DeviceFindings:
+def _device(snapshot: Snapshot, device: int, segments: list[Segment], top: int,
+            what_ifs: Sequence[AllocatorSettings], device_memory: int | None,
+            tally: Tally | None = None) -> DeviceFindings:
     trace = snapshot.traces.get(device)
-    segments = snapshot.segments_of(device)
     if tally is not None and trace is not None and tally.events == len(trace):
         result = tally.replay(device)
     else:  # an unmodelled backend gets the native rules for the timeline; the summary says so
@@ -135,6 +138,7 @@ def _device(snapshot: Snapshot, device: int, top: int, what_ifs: Sequence[Alloca
         steps=peaks,
         leak=_leak(describe, peaks, growth),
         step_growth=growth,
+        oom_events=result.oom_events,
         category_timeline=categories,
         tagged=_tagged(table, snapshot.tags.get(device), categories, peak, n),
     )

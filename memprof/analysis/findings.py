@@ -192,12 +192,13 @@ class DeviceFindings:
     at_peak: Live
     categories_inferred: bool
     fragmentation: Fragmentation
-    ooms: list[Oom]
+    ooms: list[Oom]  # the first MAX_OOMS of ``oom_events``
     replay: ReplaySummary
     timeline: Timeline
     steps: list[StepPeak] = field(default_factory=list)
     leak: Leak | None = None  # set when step_growth's verdict is LEAK
     step_growth: StepGrowth = StepGrowth(NO_STEPS, 0, 0)
+    oom_events: int = 0
     rank: int | None = None  # the process under torchrun, for a run folder of several
     # allocated bytes per category after each event (state before the first included);
     # only where categories are exact

@@ -77,6 +77,7 @@ class Replay:
     check: Check
     final: Moment
     notes: list[str] = field(default_factory=list)
+    oom_events: int = 0  # the trace's out-of-memory events; ``ooms`` holds the first MAX_OOMS
 
 
 def pool_name(pool: tuple[int, int], small: bool) -> str:
@@ -98,6 +99,7 @@ _SEGMENT_MAP, _SEGMENT_UNMAP, _OOM = int(Action.SEGMENT_MAP), int(Action.SEGMENT
     int(Action.OOM)
 _FREE_BOTH = -1  # a free_requested and its free_completed, replayed as one event
 _CHUNK = 1 << 16  # events converted to Python ints at a time, to bound memory
+MAX_OOMS = 16  # out-of-memory events described: a run that retries after each has more
 
 
 class _Decisions:
@@ -196,6 +198,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     reproduced = 0  # allocations where the simulator chose the recorded block, no growth
     peak_value, peak = alloc.allocated, capture(alloc, -1)
     ooms: list[Moment] = []
+    oom_events = 0
     take, find_free, release_stats, free = alloc.take_best_fit, alloc.find_free, \
         alloc.release_stats, alloc.free
     alloc_code, requested_code = _ALLOC, _FREE_REQUESTED  # locals: the loop's hottest names
@@ -262,7 +265,9 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                 except (KeyError, AssertionError):
                     check.inconsistencies += 1
             elif action == _OOM:
-                ooms.append(capture(alloc, i))
+                oom_events += 1
+                if oom_events <= MAX_OOMS:
+                    ooms.append(capture(alloc, i))
     decisions.add_reproduced(reproduced)
     sizes, ends = np.frombuffer(block_size, np.int64), np.frombuffer(end, np.int64)
     return Replay(
@@ -280,6 +285,7 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         ooms=ooms,
         check=check,
         final=capture(alloc, n - 1),
+        oom_events=oom_events,
     )
 
 

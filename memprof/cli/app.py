@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
+
+try:  # typer from 0.2x vendors click; before, click's own
+    from typer import TyperException as CommandLineError
+except ImportError:  # pragma: no cover - older typer
+    from click import ClickException as CommandLineError
 
 from memprof import __version__
 from memprof.cli import check, explain, run, suggest
 from memprof.cli.options import flag
 from memprof.errors import MemprofError
 from memprof.report.text import visible
+
+# ``ctx.obj`` of a command run by ``main``: the process is memprof's own, so a command may
+# fork it to put a time limit on hostile input (``supervised.py``); not when it is called
+# in-process, by a test's CliRunner or a user's code
+OWN_PROCESS = {"own_process": True}
 
 app = typer.Typer(
     name="memprof",
@@ -45,16 +55,30 @@ def _main(version: Annotated[bool, flag("--version", callback=_version, is_eager
 
 
 def main() -> None:
-    """Entry point: run the app, turning :class:`MemprofError` into one line and an exit code."""
+    """Entry point: run the app; a :class:`MemprofError` or a usage error (a bad option, a
+    missing argument) becomes one line and an exit code."""
     try:
-        app()
+        code = app(standalone_mode=False, obj=OWN_PROCESS)
     except MemprofError as exc:
-        print(f"memprof: error: {visible(exc.message)}", file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except SystemExit as exc:
-        if sys.argv[1:2] == ["explain"] and (exc.code is None or isinstance(exc.code, int)):
-            _exit_now(exc.code or 0)
-        raise
+        _fail(exc.message, exc.exit_code)
+    except CommandLineError as exc:  # a bad option or argument: click's usage error
+        context = getattr(exc, "ctx", None)
+        command = context.command_path if context is not None else "memprof"
+        message = exc.format_message()
+        if not message:  # no arguments at all: click has shown the help
+            sys.exit(exc.exit_code)
+        _fail(f"{message} (see {command} --help)", exc.exit_code)
+    except typer.Abort:
+        _fail("interrupted", 130)
+    code = code if isinstance(code, int) else 0
+    if sys.argv[1:2] == ["explain"]:
+        _exit_now(code)
+    sys.exit(code)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    print(f"memprof: error: {visible(message)}", file=sys.stderr)
+    sys.exit(code)
 
 
 def _exit_now(code: int) -> None:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 
 def explain(
+    ctx: typer.Context,
     snapshot: Annotated[Path, typer.Argument(
         help="A snapshot from torch.cuda.memory._dump_snapshot() (any format since PyTorch 2.0),"
         " or a memprof run folder (every rank of a distributed run, and their imbalance).",
@@ -64,6 +65,7 @@ def explain(
     from memprof.report.files import check_writable
     from memprof.report.json import report_dict, write_json
     from memprof.report.text import plain
+    from memprof.supervised import supervise, time_limit
     from memprof.trace import load_snapshot
     from memprof.trace.load import gc_paused
 
@@ -84,12 +86,17 @@ def explain(
         if wanted:
             check_writable(path, force)
 
+    snapshots = _snapshots(snapshot, is_dir)
+    if ctx.obj and ctx.obj.get("own_process"):
+        supervise(time_limit(sum(_size(path) for _, path in snapshots)),
+                  f"{snapshot}: explaining it takes far longer than any snapshot of its size"
+                  " needs: a pathological file (a pickle bomb?), refused")
     per_rank = []
     # Loading and analysing make millions of objects and no cycles. One pause over both, and
     # the snapshot dropped inside it: resumed any earlier, the collector would traverse all
     # of them, twice as they age (about 0.3 s CPU for a million events).
     with gc_paused():
-        for rank, path in _snapshots(snapshot, is_dir):
+        for rank, path in snapshots:
             snap = load_snapshot(path)
             if recorded is not None:
                 snap.settings = recorded
@@ -118,6 +125,13 @@ def explain(
 
         plot_timeline(findings, plot_path, overwrite=force)
         notes.print(plain(f"Timeline plot: {plot_path}"))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # the load says what is wrong with it
+        return 0
 
 
 def _is_dir(path: Path) -> bool:

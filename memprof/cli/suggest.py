@@ -14,6 +14,7 @@ from memprof.errors import MemprofError
 
 
 def suggest(
+    ctx: typer.Context,
     source: Annotated[Path | None, typer.Argument(
         help="A run folder, its report.json, or a PyTorch snapshot (default: the newest run"
         " folder under reports/).", show_default=False)] = None,
@@ -60,7 +61,7 @@ def suggest(
     from memprof.advise.budget import parse_budget
     from memprof.advise.render import as_json as to_json
     from memprof.advise.render import render
-    from memprof.advise.source import load_run, newest_run
+    from memprof.advise.source import is_snapshot, load_run, newest_run
 
     if not budget:
         raise MemprofError("--budget is required: the memory to fit in, e.g. --budget 24GB"
@@ -72,7 +73,13 @@ def suggest(
     if rerun_command is not None and not (verify or fit_batch):
         raise MemprofError("--rerun-command names what --verify or --fit-batch re-run: give"
                            " one of them too")
-    run = load_run(source if source is not None else newest_run(Path("reports")))
+    source = source if source is not None else newest_run(Path("reports"))
+    if ctx.obj and ctx.obj.get("own_process") and is_snapshot(source):
+        from memprof.supervised import supervise, time_limit
+
+        supervise(time_limit(source.stat().st_size), f"{source}: reading it takes far longer"
+                  " than any snapshot of its size needs: a pathological file, refused")
+    run = load_run(source)
     advice = advise(run, chosen, gpus)
     notes = Console(stderr=True, soft_wrap=True, highlight=False)
     measured, batch = None, None

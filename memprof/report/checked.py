@@ -151,7 +151,7 @@ DEVICE = record(
                          unallocated_at_end_bytes=BYTES, largest_free_block_at_end_bytes=BYTES,
                          free_blocks_at_end=COUNT, pools_at_peak=items(POOL),
                          pools_at_end=items(POOL)),
-    oom=optional(OOM), ooms=items(OOM),
+    oom=optional(OOM), ooms=items(OOM), oom_events=COUNT,
     replay=record(modelled=FLAG, note=TEXT, what_if=items(record(
         settings=TEXT, peak_reserved_bytes=optional(BYTES),
         peak_allocated_bytes=optional(BYTES), saved_bytes=optional(_integer(

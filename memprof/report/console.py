@@ -78,6 +78,7 @@ def _device(d: DeviceFindings) -> Panel:
     parts.append(_fragmentation(d))
     parts.extend(oom_group(o, o.live.allocated_bytes == d.peak_allocated_bytes,
                            d.categories_inferred) for o in d.ooms)
+    parts.extend(more_ooms(d))
     parts.append(_replay(d.replay))
     title = f"device {d.device}" if d.rank is None else f"rank {d.rank}, device {d.device}"
     return Panel(Group(*parts), title=title, title_align="left")
@@ -272,6 +273,13 @@ def _fragmentation(d: DeviceFindings) -> Group:
         pools.add_row(plain(p.pool), str(p.stream), f"{p.segments:,}", fb(p.reserved_bytes),
                       fb(p.allocated_bytes))
     return Group(Text(""), t, Text("Segments at the end, by pool and stream", "bold"), pools)
+
+
+def more_ooms(d: DeviceFindings) -> list[Text]:
+    """A line for the out-of-memory events past those described, if any."""
+    more = d.oom_events - len(d.ooms)
+    return [Text(f"... and {more:,} more out-of-memory events (the first {len(d.ooms)} are"
+                 " described)")] if more > 0 else []
 
 
 def oom_group(o: Oom, same_as_peak: bool, inferred: bool) -> Group:

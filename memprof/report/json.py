@@ -84,6 +84,7 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
         },
         "oom": _oom(d.ooms[0]) if d.ooms else None,
         "ooms": [_oom(o) for o in d.ooms],
+        "oom_events": d.oom_events,
         "replay": asdict(d.replay),
         "steps": [asdict(p) for p in d.steps],
         "leak": None if d.leak is None else {

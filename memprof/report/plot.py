@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from memprof.report.files import write_atomic
+from memprof.report.text import visible
 
 if TYPE_CHECKING:
     from memprof.analysis.findings import Findings
@@ -89,7 +90,7 @@ def timeline_panels(findings: Findings) -> list[Panel]:
 def timeline_title(findings: Findings, title: str | None = None) -> str:
     """The figure's title: ``title`` (a command line), or the snapshot's file name; cut to
     the figure's width."""
-    text = f"memprof: {title or Path(findings.source).name}"
+    text = f"memprof: {visible(title or Path(findings.source).name)}"  # a file's name: text
     return text if len(text) <= _TITLE_CHARS else text[:_TITLE_CHARS - 1] + "\u2026"
 
 

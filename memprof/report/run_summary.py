@@ -12,6 +12,7 @@ from memprof.analysis.findings import DeviceFindings
 from memprof.report.console import (
     CATEGORY_NAMES,
     modules_table,
+    more_ooms,
     oom_group,
     ring_buffer_note,
     sites_table,
@@ -53,6 +54,8 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
     for oom in d.ooms:
         same = oom.live.allocated_bytes == d.peak_allocated_bytes
         console.print(oom_group(oom, same, d.categories_inferred))
+    for line in more_ooms(d):
+        console.print(line)
 
 
 def breakdown(d: DeviceFindings, run: dict[str, Any]) -> Table:

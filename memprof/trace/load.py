@@ -36,15 +36,24 @@ def _load(path: Path, then):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise MemprofError(_open_error(path, exc)) from None
+    try:
+        info = os.fstat(fd)
+    except OSError as exc:
+        os.close(fd)
+        raise MemprofError(f"{path}: cannot read ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):  # checked before a file object is made of it
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else \
+            next((k for test, k in _KINDS if test(info.st_mode)), "not a regular file")
+        raise MemprofError(f"{path}: is {kind}, not a snapshot file")
     with os.fdopen(fd, "rb", buffering=0) as f:
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                kind = next((k for test, k in _KINDS if test(info.st_mode)), "not a regular file")
-                raise MemprofError(f"{path}: is {kind}, not a snapshot file")
+            _check_ends(f, info.st_size)
             levels = nesting_bound(f)
         except OSError as exc:
             raise MemprofError(f"{path}: cannot read ({exc.strerror})") from None
+        except Refused as exc:
+            raise MemprofError(f"{path}: {_load_error(exc)}") from None
 
         def work():
             with gc_paused():  # one pause: a collection between the two would visit it all
@@ -56,6 +65,18 @@ def _load(path: Path, then):
             raise MemprofError(f"{path}: not a PyTorch memory snapshot ({exc})") from None
         except Exception as exc:
             raise MemprofError(f"{path}: {_load_error(exc)}") from None
+
+
+def _check_ends(f, size: int) -> None:
+    """Refuse, before reading the whole file, what cannot be a pickle: one starts with the
+    PROTO opcode of protocol 2 to 5 (PyTorch writes 2 or 4) and ends with STOP."""
+    head = f.read(2)
+    f.seek(max(size - 1, 0))
+    tail = f.read(1)
+    f.seek(0)
+    if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5 or tail != b".":
+        raise Refused("it does not begin and end as a pickle of protocol 2 to 5 does, as"
+                      " torch.cuda.memory._dump_snapshot() writes")
 
 
 def _open_error(path: Path, exc: OSError) -> str:

@@ -43,6 +43,9 @@ BLOCK_STATES = {"active_allocated": "active_allocated", "inactive": "inactive",
                 "active_pending_free": "active_pending_free",
                 "active_awaiting_free": "active_pending_free"}  # the docs' name for it
 MAX_FRAMES = 1024  # innermost frames kept per stack; real stacks hold a few hundred at most
+MAX_DEVICES = 1024  # device indices: a machine has a few dozen GPUs at most
+# bytes of all the segments, or all the events of a trace, together: sums of them fit int64
+MAX_TOTAL = 1 << 61
 
 
 class FrameTable:
@@ -110,6 +113,9 @@ def normalize(raw: object, max_items: int | None = None) -> Snapshot:
     traces_raw = raw.get("device_traces") or []
     if type(traces_raw) is not list:
         raise NotASnapshot("'device_traces' is not a list")
+    if len(traces_raw) > MAX_DEVICES:
+        raise NotASnapshot(f"'device_traces' lists {len(traces_raw):,} devices, more than"
+                           f" {MAX_DEVICES:,}: no machine has that many GPUs")
     _check_size(raw["segments"], traces_raw, max_items)
     segments = _segments(raw["segments"], table)
     traces = {d: _trace(d, events, table) for d, events in enumerate(traces_raw) if events}
@@ -171,7 +177,7 @@ def _segments(raw: list, table: FrameTable) -> list[Segment]:
                                f" {total_size:,}")
         segment_type = text(s, "segment_type", "large")
         out.append(Segment(
-            device=integer(s, "device", where, default=0),
+            device=integer(s, "device", where, MAX_DEVICES, default=0),
             address=address,
             total_size=total_size,
             allocated_size=integer(s, "allocated_size", where, MAX_BYTES, default=0),
@@ -185,6 +191,8 @@ def _segments(raw: list, table: FrameTable) -> list[Segment]:
             frames=table.frames(s.get("frames")),
         ))
     _check_disjoint(out)
+    if sum(s.total_size for s in out) >= MAX_TOTAL:
+        raise NotASnapshot("its segments add up to more than 2 EiB, more than any devices have")
     return out
 
 
@@ -255,12 +263,18 @@ def _trace(device: int, events: object, table: FrameTable) -> DeviceTrace:
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
         raise NotASnapshot(f"malformed event in {where}: {exc}") from None
     actions, addr, size, stream, times, frames = fields
+    if len(set(map(id, events))) != len(events):  # each event its own object: no bomb
+        raise NotASnapshot(f"{where} holds the same event object more than once (shared by"
+                           " reference): a pickle bomb, not a recording")
     if set(map(type, actions)) - {str}:  # checked before any of them is hashed
         raise NotASnapshot(f"malformed event in {where}: an event's 'action' is not a string")
     action = np.fromiter(map(_CODES.__getitem__, actions), np.int8, len(events))
     _in_range(where, "addr", addr, MAX_ADDRESS)
     _in_range(where, "size", size, MAX_BYTES)
     _in_range(where, "stream", stream, 1 << 62)
+    if len(size) and float(size.sum(dtype=np.float64)) >= MAX_TOTAL:
+        raise NotASnapshot(f"{where}: its events' sizes add up to more than 2 EiB, sizes no"
+                           " device has")
     return DeviceTrace(
         device=device,
         action=action,
@@ -359,7 +373,8 @@ def _memprof_extra(snapshot: Snapshot, extra: dict) -> None:
     run_peak = extra.get("run_peak")
     if run_peak is not None:
         if type(run_peak) is not dict or type(run_peak.get("requested_bytes")) is not int or any(
-                v is not None and (type(v) is not int or v < 0) for v in run_peak.values()):
+                v is not None and (type(v) is not int or not 0 <= v < MAX_BYTES)
+                for v in run_peak.values()):
             raise NotASnapshot(f"{where}: 'run_peak' is not a map of byte counts")
         snapshot.run_peak = {device: {k: run_peak.get(k) for k in (
             "requested_bytes", "allocated_bytes", "reserved_bytes")}}

@@ -73,8 +73,22 @@ def nesting_bound(f: BinaryIO) -> int:
 
 def unpickle(f: BinaryIO, size: int) -> object:
     """Unpickle ``f`` (a file of ``size`` bytes) with every class reference refused."""
-    with memory_cap(max(MEMORY_FLOOR, MEMORY_PER_BYTE * size)), gc_paused():
+    with memory_cap(max(MEMORY_FLOOR, MEMORY_PER_BYTE * size)), gc_paused(), _quiet():
         return _NoClassesUnpickler(io.BufferedReader(f, 1 << 20)).load()  # type: ignore[arg-type]
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Nothing printed by objects the unpickler drops after a failure (a bytearray it could
+    not fill prints a SystemError through ``sys.excepthook`` as it goes): the failure itself
+    is reported, in one line."""
+    hooks = sys.excepthook, sys.unraisablehook
+    sys.excepthook = lambda kind, value, tb: None
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        yield
+    finally:
+        sys.excepthook, sys.unraisablehook = hooks
 
 
 def with_stack_for(levels: int, work: Callable[[], T]) -> T:

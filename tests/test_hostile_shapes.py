@@ -1,0 +1,132 @@
+"""explain on small files whose shape multiplies the work (sharing, counts, sizes no device
+has) and on inputs that used to print more than one line: each is refused in one line, or
+explained, within a time the file's size allows."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import GPU_FIXTURES, load_raw
+
+MIB = 1 << 20
+
+
+def explain(cwd: Path, *args: str | Path, limit: float | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **({"MEMPROF_TIME_LIMIT": str(limit)} if limit else {})}
+    return subprocess.run([sys.executable, "-m", "memprof", "explain", *map(str, args)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+
+
+def refused(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    line, = result.stderr.strip().splitlines()
+    assert line.startswith("memprof: error:"), line
+    for word in words:
+        assert word in line, line
+
+
+def _segment(addr: int, size: int, device: int = 0, expandable: bool = False) -> dict:
+    return {"device": device, "address": addr, "total_size": size, "allocated_size": 0,
+            "active_size": 0, "requested_size": 0, "stream": 0, "segment_type": "large",
+            "segment_pool_id": (0, 0), "is_expandable": expandable,
+            "blocks": [{"address": addr, "size": size, "requested_size": 0, "state": "inactive"}]}
+
+
+def _dump(path: Path, snapshot: object) -> Path:
+    path.write_bytes(pickle.dumps(snapshot, protocol=4))
+    return path
+
+
+def test_a_hash_bomb_is_stopped(tmp_path: Path):
+    """A dict key of 60 levels of memo-shared tuples (431 bytes): 2^60 steps of hashing in
+    the unpickler, which only another process can stop."""
+    out = io.BytesIO()
+    out.write(b"\x80\x04})\x940")  # PROTO 4, EMPTY_DICT; EMPTY_TUPLE, MEMOIZE, POP
+    for i in range(60):  # BINGET i, BINGET i, TUPLE2, MEMOIZE, POP
+        out.write(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x940")
+    out.write(b"h" + bytes([60]) + b"Ns.")
+    (tmp_path / "bomb.pickle").write_bytes(out.getvalue())
+    refused(explain(tmp_path, "bomb.pickle", limit=2), "bomb.pickle", "pathological")
+
+
+def test_many_expandable_segments_are_explained_in_linear_time(tmp_path: Path):
+    segments = [_segment((1 << 40) + i * 2 * MIB, 2 * MIB, expandable=True)
+                for i in range(100_000)]
+    path = _dump(tmp_path / "expandable.pickle", {"segments": segments, "device_traces": [[]]})
+    result = explain(tmp_path, path, "--json", "-o", "-", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert '"reserved_bytes": 209715200000' in result.stdout
+
+
+def test_more_devices_than_a_machine_has_are_refused(tmp_path: Path):
+    path = _dump(tmp_path / "devices.pickle", {
+        "segments": [_segment(1 << 40, 2 * MIB, device=d) for d in range(20_000)],
+        "device_traces": [[] for _ in range(20_000)]})
+    refused(explain(tmp_path, path), "devices")
+
+
+def test_an_event_shared_by_reference_is_refused(tmp_path: Path):
+    oom = {"action": "oom", "addr": 0, "size": 1 << 30, "stream": 0, "time_us": 1,
+           "frames": [], "device_free": 0}
+    alloc = {"action": "alloc", "addr": 1 << 40, "size": 512, "stream": 0, "time_us": 0,
+             "frames": []}
+    path = _dump(tmp_path / "shared.pickle", {"segments": [],
+                                              "device_traces": [[alloc] + [oom] * 50_000]})
+    refused(explain(tmp_path, path), "more than once")
+
+
+def test_sizes_that_add_up_past_any_device_are_refused(tmp_path: Path):
+    """16 TiB - 1 allocated 2^19 times: int64 sums wrap, and said 0 allocated at the end."""
+    events = [{"action": "alloc", "addr": (1 << 44) + i * 512, "size": (1 << 44) - 1,
+               "stream": 0, "time_us": i, "frames": []} for i in range((1 << 19) + 8)]
+    path = _dump(tmp_path / "wrap.pickle", {"segments": [], "device_traces": [events]})
+    refused(explain(tmp_path, path), "2 EiB")
+
+
+def test_a_huge_sparse_file_is_refused_from_its_ends(tmp_path: Path):
+    path = tmp_path / "sparse.pickle"
+    with path.open("wb") as f:
+        f.write(b"\x80\x04}.")
+        f.truncate(20 << 30)  # 20 GB of zeros after a pickle's start: sparse, no disk
+    refused(explain(tmp_path, path, timeout=30), "does not begin and end as a pickle")
+
+
+def test_a_bytearray_bomb_says_one_line(tmp_path: Path):
+    path = tmp_path / "ba8.pickle"
+    path.write_bytes(b"\x80\x05\x96" + struct.pack("<Q", 1 << 40) + b"xx.")
+    refused(explain(tmp_path, path), "more memory")
+
+
+def test_a_run_folder_whose_snapshot_is_a_folder(tmp_path: Path):
+    (tmp_path / "run" / "snapshot.pickle").mkdir(parents=True)
+    refused(explain(tmp_path, "run"), "is a directory")
+
+
+def test_a_run_peak_no_device_has_is_refused(tmp_path: Path):
+    raw = load_raw(GPU_FIXTURES / "leak" / "snapshot.pickle")
+    raw["memprof"]["run_peak"] = {"requested_bytes": 10**400, "allocated_bytes": None,
+                                  "reserved_bytes": None}
+    refused(explain(tmp_path, _dump(tmp_path / "peak.pickle", raw)), "run_peak")
+
+
+def test_a_file_name_that_is_not_utf8_plots(tmp_path: Path):
+    name = os.fsdecode(b"bad\xff.pickle")
+    (tmp_path / name).write_bytes((GPU_FIXTURES / "leak" / "snapshot.pickle").read_bytes())
+    result = explain(tmp_path, name, "--plot", "--out-dir", "out")
+    assert result.returncode == 0, result.stderr
+    assert [p.suffix for p in (tmp_path / "out").iterdir()] == [".png"]
+
+
+@pytest.mark.parametrize("args", [["--top", "abc", "x.pickle"], ["x.pickle", "--nope"],
+                                  ["x.pickle", "--device", "-1x"]])
+def test_usage_errors_are_one_line(tmp_path: Path, args: list[str]):
+    refused(explain(tmp_path, *args), "--help")
