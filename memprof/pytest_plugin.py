@@ -87,15 +87,16 @@ def _marker_args(marker: pytest.Mark) -> tuple[int, Any]:
     from memprof.gate.metrics import parse_metric
     from memprof.sizes import parse_size
 
-    if len(marker.args) != 1:
-        raise pytest.UsageError("memprof_limit needs one size, e.g."
-                                " @pytest.mark.memprof_limit('512 MiB')")
+    if len(marker.args) != 1 or set(marker.kwargs) - {"metric"}:
+        pytest.fail("memprof_limit takes one size and an optional metric, e.g."
+                    " @pytest.mark.memprof_limit('512 MiB', metric='peak_reserved')",
+                    pytrace=False)
     try:
-        size = marker.args[0]
-        limit = parse_size(str(size))  # an int too: bounded like any size
-        return limit, parse_metric(marker.kwargs.get("metric", "peak_allocated"))
+        limit = parse_size(str(marker.args[0]))  # an int too: bounded like any size
+        return limit, parse_metric(str(marker.kwargs.get("metric", "peak_allocated")))
     except ValueError as exc:
-        raise pytest.UsageError(f"memprof_limit: {exc}") from None
+        problem = str(exc)
+    pytest.fail(f"memprof_limit: {problem}", pytrace=False)
 
 
 def _over_limit(used: int, limit: int, metric: Any, backend: str) -> list[str]:

@@ -122,6 +122,23 @@ def test_x():
     result.stdout.fnmatch_lines(["*memprof_limit: not a size: 'lots'*"])
 
 
+@pytest.mark.parametrize("marker", ['"lots"', "", '"1MiB", metric="nope"', '["x"]',
+                                    '"1MiB", "2MiB"', "None", '"9" * 400', '"1MiB", limit=2'])
+def test_a_bad_marker_fails_its_test_in_one_line(pytester: pytest.Pytester, marker: str):
+    pytester.makepyfile(test_bad=f"""
+import pytest
+
+@pytest.mark.memprof_limit({marker})
+def test_x():
+    pass
+""")
+    result = pytester.runpytest(*PLUGIN)
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*memprof_limit*"])
+    out = result.stdout.str()
+    assert "Traceback" not in out and "raise " not in out and "During handling" not in out
+
+
 def test_the_marker_is_documented(pytester: pytest.Pytester):
     result = pytester.runpytest(*PLUGIN, "--markers")
     result.stdout.fnmatch_lines(["@pytest.mark.memprof_limit(size, metric='peak_allocated')*"])

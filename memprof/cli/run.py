@@ -166,14 +166,18 @@ def run(
                                                   profile_path, script_ended))
             if os.getpid() != parent:  # a child the script forked ran out its copy of it
                 raise typer.Exit(recording.outcome.exit_code)
+            usable_streams()
             stopped = recording.outcome.stopped_by
             if stopped in ("steps", "seconds") and rank == 0:  # why the script's output ends
                 sys.stdout.flush()
                 what = f"{steps} steps" if stopped == "steps" else f"{seconds:g} s"
                 print(f"memprof: stopped after {what} as asked", file=sys.stderr)
             with frozen():  # the script has ended: its objects wait for the exit
-                code = _finish(recording, target, folder, names, settings.conf, launched, top,
-                               limit, plot if timeline else None)
+                try:
+                    code = _finish(recording, target, folder, names, settings.conf, launched,
+                                   top, limit, plot if timeline else None)
+                except (MemprofError, OSError) as exc:  # the run folder, not the script
+                    code = _unwritten(exc, folder, recording.outcome.exit_code)
         except KeyboardInterrupt:
             what = (f"while writing the report: {folder} holds only whole files" if ended else
                     "before the script started")
@@ -244,6 +248,36 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         shown = folder if world > 1 else folder / names["snapshot"]
         notes.print(plain(f"Next: memprof explain {shown}"))
     return _gate(findings, limit, recording.outcome.exit_code, notes)
+
+
+def _unwritten(exc: MemprofError | OSError, folder: Path, script_code: int) -> int:
+    """Say in one line what could not be written and what was; the exit code: the script's,
+    or 1 where it succeeded (its report is incomplete)."""
+    from memprof.report.text import visible
+
+    why = exc.message if isinstance(exc, MemprofError) else \
+        f"{folder}: cannot write the report ({exc.strerror or exc})"
+    try:
+        written = ", ".join(sorted(p.name for p in folder.iterdir() if p.name[0] != "."))
+    except OSError:
+        written = ""
+    print(f"memprof: error: {visible(why)}; the run folder holds {written or 'nothing'}"
+          " (free some space or pass -o with another folder)", file=sys.stderr)
+    return script_code or 1
+
+
+def usable_streams() -> None:
+    """Give memprof somewhere to speak when the script closed stdout or stderr (or set them
+    to None), as Python's exit does not mind: the report is still written, its summary
+    goes nowhere."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            usable = stream is not None and not stream.closed and os.fstat(stream.fileno())
+        except (AttributeError, OSError, ValueError):
+            usable = False
+        if not usable:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - until the exit
 
 
 def _facts(recording: Recording, meta: dict[str, Any], target: Target,

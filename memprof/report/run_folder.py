@@ -45,7 +45,9 @@ def claim(folder: Path, names: dict[str, str], force: bool) -> None:
     when they are removed so that no stale file (timeline, profile) outlives the new run.
 
     The claim is exclusive: a lock file, created only if absent and removed when this
-    process exits, keeps a second run given the same ``-o`` from passing the check too.
+    process exits, keeps a second run given the same ``-o`` from passing the check too. It
+    holds the claiming process's id: the lock of a process that is gone (killed with
+    SIGKILL, or by the machine) is taken over.
     """
     try:
         if folder.exists() and not folder.is_dir():
@@ -57,7 +59,7 @@ def claim(folder: Path, names: dict[str, str], force: bool) -> None:
                                " or -o to choose another folder")
         folder.mkdir(parents=True, exist_ok=True)
         lock = folder / f".{names['report']}.lock"
-        os.close(os.open(lock, os.O_WRONLY | os.O_CREAT | (0 if force else os.O_EXCL), 0o666))
+        _lock(lock, force)
         for name in taken:
             (folder / name).unlink()
     except FileExistsError:
@@ -66,6 +68,36 @@ def claim(folder: Path, names: dict[str, str], force: bool) -> None:
     except OSError as exc:
         raise MemprofError(f"{folder}: cannot prepare the run folder ({exc.strerror})") from None
     atexit.register(lock.unlink, missing_ok=True)
+
+
+def _lock(lock: Path, force: bool) -> None:
+    """Create ``lock`` with this process's id in it, taking over a lock whose process is gone."""
+    try:
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if force else os.O_EXCL), 0o666)
+    except FileExistsError:
+        if not _stale(lock):
+            raise
+        stale = lock.with_name(f"{lock.name}.stale-{os.getpid()}")
+        os.rename(lock, stale)  # of two runs that saw it stale, one renames it; the other fails
+        stale.unlink()
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+
+
+def _stale(lock: Path) -> bool:
+    """Whether the process that took ``lock`` is gone."""
+    try:
+        pid = int(lock.read_text()[:20])
+    except (OSError, ValueError):  # being written this moment, or an old memprof's empty lock
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    return pid == os.getpid()  # this process claimed it before, in an earlier run here
 
 
 def write_snapshot(snapshot: dict[str, Any], path: Path, overwrite: bool = False) -> None:

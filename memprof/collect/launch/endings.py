@@ -1,14 +1,20 @@
-"""How a recorded run may end early: Ctrl-C, SIGTERM, ``--steps`` and ``--seconds``.
+"""How a recorded run may end early: Ctrl-C, a terminating signal, ``--steps`` and
+``--seconds``.
 
 While the script runs, SIGINT raises KeyboardInterrupt in the script, as Python's own
 handler does, except when it lands inside one of memprof's recorder callbacks: there
 Python would print "Exception ignored" and the script would train on, so the signal is
-delivered again a moment later, when the script's own code runs. SIGTERM stops the run
-the same way and the process exits 143, as a Python killed by SIGTERM reports to shells.
+delivered again a moment later, when the script's own code runs. Every other signal whose
+default is to end the process (SIGTERM, a closed terminal's SIGHUP, SIGQUIT, SIGUSR1, an
+alarm the script left armed, ...) stops the run the same way, with a report, and the
+process exits 128 + the signal's number, as a Python killed by it reports to shells. A
+signal the launching shell ignores (``nohup``) stays ignored, and one the script handles
+itself is the script's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -49,11 +55,17 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+# signals whose default action ends the process, that a handler can catch
+TERMINATING = tuple(getattr(signal, name) for name in (
+    "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF",
+    "SIGXCPU", "SIGPWR", "SIGSTKFLT") if hasattr(signal, name))
+
+
+def _on_terminating(signum: int, frame: FrameType | None) -> None:
     if _in_memprof(frame):
         _redeliver(signum)
         return
-    raise Stop("SIGTERM", 128 + signal.SIGTERM)
+    raise Stop(signal.Signals(signum).name, 128 + signum)
 
 
 def _on_alarm(signum: int, frame: FrameType | None) -> None:
@@ -63,15 +75,33 @@ def _on_alarm(signum: int, frame: FrameType | None) -> None:
     raise Stop("seconds", 0)
 
 
+_HANDLERS = (_on_sigint, _on_terminating, _on_alarm)
+# the handlers' frames: Python's own default handler is C and shows in no traceback
+HANDLER_CODES = frozenset(f.__code__ for f in _HANDLERS)
+
+
+def _defaults_in_child() -> None:
+    """A process the script forks (a multiprocessing worker) ends as Python's would: a
+    SIGTERM from ``Pool.terminate()`` kills it, Ctrl-C raises KeyboardInterrupt."""
+    for s in (signal.SIGINT, *TERMINATING):
+        if signal.getsignal(s) in _HANDLERS:
+            signal.signal(s, signal.default_int_handler if s == signal.SIGINT
+                          else signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_defaults_in_child)
+
+
 @contextmanager
 def stops(steps: int | None = None, seconds: float | None = None) -> Iterator[None]:
     """Install memprof's handlers for the script's run; stop after ``steps`` optimizer steps
     or ``seconds`` of wall time by raising :class:`Stop` in the script."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGALRM)}
-    signal.signal(signal.SIGINT, _on_sigint)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, *_default(TERMINATING))}
+    for s in saved:
+        signal.signal(s, _on_sigint if s == signal.SIGINT else _on_terminating)
     hook = _step_limit(steps) if steps is not None else None
     if seconds is not None:
+        saved.setdefault(signal.SIGALRM, signal.getsignal(signal.SIGALRM))
         signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -83,6 +113,11 @@ def stops(steps: int | None = None, seconds: float | None = None) -> Iterator[No
             hook.remove()
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+def _default(signals: tuple[int, ...]) -> list[int]:
+    """Those of ``signals`` left at their default action (not ignored, not handled)."""
+    return [s for s in signals if signal.getsignal(s) == signal.SIG_DFL]
 
 
 def _step_limit(steps: int) -> Any:
@@ -105,9 +140,9 @@ def _step_limit(steps: int) -> Any:
 
 @contextmanager
 def finishing() -> Iterator[None]:
-    """While memprof writes the report, a first Ctrl-C (or SIGTERM) only says so; a second
-    one abandons the report with KeyboardInterrupt. Files are written atomically, so the
-    folder holds only whole files either way."""
+    """While memprof writes the report, a first Ctrl-C (or a terminating signal) only says
+    so; a second one abandons the report with KeyboardInterrupt. Files are written
+    atomically, so the folder holds only whole files either way."""
     asked = False
 
     def once(signum: int, frame: FrameType | None) -> None:
@@ -115,10 +150,11 @@ def finishing() -> Iterator[None]:
         if asked:
             raise KeyboardInterrupt
         asked = True
-        print("memprof: writing the report; press Ctrl-C again to abandon it",
-              file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):  # a closed terminal (SIGHUP)
+            print("memprof: writing the report; press Ctrl-C again to abandon it",
+                  file=sys.stderr, flush=True)
 
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, *_default(TERMINATING))}
     for s in saved:
         signal.signal(s, once)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import builtins
 import importlib.util
 import io
@@ -14,9 +15,10 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import memprof
-from memprof.collect.launch.endings import Stop
+from memprof.collect.launch.endings import HANDLER_CODES, Stop
 from memprof.errors import MemprofError
 
 
@@ -65,12 +67,13 @@ def run(target: Target) -> Outcome:
     The script's exceptions are printed as Python prints them (without memprof's frames)
     and turned into exit codes: ``sys.exit(n)`` gives n, an exception 1, Ctrl-C 130.
     """
-    saved_argv, saved_path0, hook = sys.argv[:], sys.path[0], sys.excepthook
+    saved_argv, saved_path, hook = sys.argv[:], sys.path[:], sys.excepthook
     sys.argv = [target.name, *target.args]
     sys.path[0] = os.getcwd() if target.module else str(Path(target.name).resolve().parent)
     try:
         if target.module:
-            runpy.run_module(target.name, run_name="__main__", alter_sys=True)
+            _SCRIPT_GLOBALS.append(runpy.run_module(target.name, run_name="__main__",
+                                                    alter_sys=True))
         else:
             _run_script(target.name)
     except SystemExit as exc:
@@ -82,10 +85,12 @@ def run(target: Target) -> Outcome:
         return Outcome("interrupted", 130, "KeyboardInterrupt")
     except BaseException as exc:  # the script's own failure, reported as Python would
         _print_user_traceback(hook)
-        return Outcome("raised", 1, f"{type(exc).__name__}: {exc}")
+        return Outcome("raised", 1, f"{type(exc).__name__}: {_text_of(exc)}")
     finally:
         sys.argv = saved_argv
-        sys.path[0] = saved_path0
+        if sys.path:  # memprof's own folders back, where the script removed them
+            sys.path[0] = saved_path[0]
+        sys.path.extend(p for p in saved_path if p not in sys.path)
         _loaders_as_at_exit()
     return Outcome("completed", 0)
 
@@ -113,6 +118,7 @@ def _run_script(path: str) -> None:
     main.__builtins__ = builtins
     saved = sys.modules.get("__main__")
     sys.modules["__main__"] = main
+    _SCRIPT_GLOBALS.append(main)
     try:
         exec(code, main.__dict__)
     finally:
@@ -120,13 +126,42 @@ def _run_script(path: str) -> None:
             sys.modules["__main__"] = saved
 
 
+# what the script's __main__ held: alive until memprof exits, as until python's exit, so
+# that a __del__ (one that calls os._exit, say) runs after the report, not before it
+_SCRIPT_GLOBALS: list[Any] = []
+
+
+def _release_script() -> None:
+    """Make the script's module ``__main__`` again for Python's exit to finalise as it
+    would have (after the atexit handlers the script registered: registered before them,
+    this runs after them)."""
+    for held in _SCRIPT_GLOBALS:
+        if isinstance(held, dict):  # run_module's globals
+            module = types.ModuleType("__main__")
+            vars(module).update(held)
+            held = module
+        sys.modules["__main__"] = held
+    _SCRIPT_GLOBALS.clear()
+
+
+atexit.register(_release_script)
+
+
+def _text_of(exc: BaseException) -> str:
+    """``str(exc)``, or what Python's traceback shows when that fails."""
+    try:
+        return str(exc)
+    except Exception:
+        return "<exception str() failed>"
+
+
 def _exit_outcome(code: object) -> Outcome:
     if code is None:
         return Outcome("exited", 0)
     if isinstance(code, int):
-        return Outcome("exited", code)
-    print(code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
-    return Outcome("exited", 1, str(code))
+        return Outcome("exited", code & 0xFF)  # as the process's status: sys.exit(256) is 0
+    print(_text_of(code), file=sys.stderr)  # sys.exit("message") prints it and exits 1
+    return Outcome("exited", 1, _text_of(code))
 
 
 def _print_user_traceback(hook_before: object) -> None:
@@ -135,7 +170,14 @@ def _print_user_traceback(hook_before: object) -> None:
     exc_type, exc, tb = sys.exc_info()
     tb = _user_frames(tb)
     if sys.excepthook is not hook_before and exc_type is not None:
-        sys.excepthook(exc_type, exc, tb)  # type: ignore[arg-type]
+        try:
+            sys.excepthook(exc_type, exc, tb)  # type: ignore[arg-type]
+        except BaseException as broken:  # as Python reports a hook that fails
+            print("Error in sys.excepthook:", file=sys.stderr)
+            hook_tb = broken.__traceback__.tb_next if broken.__traceback__ else None
+            traceback.print_exception(type(broken), broken, hook_tb, chain=False)
+            print("\nOriginal exception was:", file=sys.stderr)
+            traceback.print_exception(exc_type, exc, tb)
     else:
         traceback.print_exception(exc_type, exc, tb)
 
@@ -160,6 +202,8 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
 
     while frames and launcher(frames[0]):
         frames.pop(0)
+    if frames and frames[-1].tb_frame.f_code in HANDLER_CODES:  # raised by a signal handler
+        frames.pop()
     if frames and not ours(frames[-1].tb_frame.f_code.co_filename):
         kept, inside = [], False
         for t in frames:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -44,9 +45,18 @@ class ThreadModes:
 
     def __init__(self) -> None:
         self._start: Callable[..., None] | None = None
+        self._hook: Callable[[Any], object] | None = None
 
     def __enter__(self) -> ThreadModes:
         original = self._start = threading.Thread.start
+        hook = self._hook = threading.excepthook
+
+        def excepthook(args: Any) -> object:  # the script's traceback, without our frame
+            tb = _without_frames_of(__file__, args.exc_traceback)
+            return hook(threading.ExceptHookArgs((args.exc_type, args.exc_value, tb,
+                                                   args.thread)))
+
+        threading.excepthook = excepthook
 
         def start(thread: threading.Thread, *args: Any, **kwargs: Any) -> None:
             functions = [m for m in _get_current_function_mode_stack() if m in _INHERITED]
@@ -67,6 +77,22 @@ class ThreadModes:
         if self._start is not None:
             threading.Thread.start = self._start  # type: ignore[method-assign]
             self._start = None
+        if self._hook is not None:
+            threading.excepthook = self._hook
+            self._hook = None
+
+
+def _without_frames_of(filename: str, tb: types.TracebackType | None
+                       ) -> types.TracebackType | None:
+    """``tb`` with the entries of code in ``filename`` unlinked."""
+    kept = []
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename != filename:
+            kept.append(tb)
+        tb = tb.tb_next
+    for entry, after in zip(kept, [*kept[1:], None], strict=True):
+        entry.tb_next = after
+    return kept[0] if kept else None
 
 
 def _with_modes(run: Callable[[], None], functions: list[Any], dispatches: list[Any],
