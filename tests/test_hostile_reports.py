@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from memprof.cli.app import app
 from memprof.errors import MemprofError
 
-FUZZ = settings(derandomize=True, max_examples=150, deadline=None,
+FUZZ = settings(derandomize=True, max_examples=50, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 hostile = st.one_of(

@@ -6,8 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_run_cli import SAMPLES, memprof_run, run_python
+from test_run_cli import memprof_run
+from typer.testing import CliRunner
 
+from memprof.analysis.settings import parse_alloc_conf
+from memprof.cli.app import app
+from memprof.errors import MemprofError
 from memprof.sizes import MAX_SIZE, read_size
 
 HUGE = "9" * 400
@@ -51,29 +55,39 @@ def test_seconds_must_be_a_time(tmp_path: Path, value: str):
     _one_line(memprof_run(tmp_path, "--seconds", value, "train.py"), "--seconds")
 
 
-@pytest.mark.parametrize("conf", ["garbage_collection_threshold:2",
-                                  "garbage_collection_threshold:-1",
-                                  "garbage_collection_threshold:nan",
-                                  "garbage_collection_threshold:inf",
-                                  "roundup_power2_divisions:100000", "roundup_power2_divisions:3",
-                                  f"max_split_size_mb:{HUGE}", "expandable_segments:maybe"])
-def test_allocator_settings_are_checked_before_the_script_runs(tmp_path: Path, conf: str):
+BAD_CONFS = ["garbage_collection_threshold:2", "garbage_collection_threshold:-1",
+             "garbage_collection_threshold:nan", "garbage_collection_threshold:inf",
+             "roundup_power2_divisions:100000", "roundup_power2_divisions:3",
+             f"max_split_size_mb:{HUGE}", "expandable_segments:maybe"]
+
+
+def _refused_in_process(args: list[str]) -> str:
+    """The one-line error a command gives ``args`` (in this process: no fork, no start-up)."""
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, MemprofError), (args, result.output)
+    message = result.exception.message
+    assert result.exception.exit_code == 2 and "\n" not in message and len(message) < 400
+    return message
+
+
+@pytest.mark.parametrize("conf", BAD_CONFS)
+def test_allocator_settings_pytorch_refuses_are_refused(conf: str):
+    with pytest.raises(ValueError):
+        parse_alloc_conf(conf)
+    _refused_in_process(["explain", "nowhere.pickle", "--what-if", conf])
+
+
+def test_allocator_settings_are_checked_before_the_script_runs(tmp_path: Path):
     marker = tmp_path / "ran"
     (tmp_path / "train.py").write_text(f"open({str(marker)!r}, 'w')\n")
-    _one_line(memprof_run(tmp_path, "--alloc-conf", conf, "train.py"), conf)
+    _one_line(memprof_run(tmp_path, "--alloc-conf", BAD_CONFS[0], "train.py"), BAD_CONFS[0])
     assert not marker.exists()
-    _one_line(run_python(["-m", "memprof", "explain", str(SAMPLES / "nowhere.pickle"),
-                          "--what-if", conf], tmp_path), conf)
 
 
-@pytest.mark.parametrize(("command", "option"), [
-    (["suggest", "nowhere", "--budget"], "--budget"),
-    (["explain", "nowhere.pickle", "--device-memory"], "--device-memory"),
-    (["check", "a", "--baseline", "b", "--max-increase"], "--max-increase"),
-])
-def test_every_size_option_refuses_400_digits(tmp_path: Path, command: list[str], option: str):
+@pytest.mark.parametrize("command", [["suggest", "nowhere", "--budget"],
+                                     ["explain", "nowhere.pickle", "--device-memory"],
+                                     ["check", "a", "--baseline", "b", "--max-increase"]])
+def test_every_size_option_refuses_400_digits(command: list[str]):
     for value in (HUGE, f"{HUGE}GB", f"{HUGE}%"):
-        result = run_python(["-m", "memprof", *command, value], tmp_path)
-        _one_line(result, option)
-        assert "more than any device" in result.stderr or "expected" in result.stderr \
-            or "not a size" in result.stderr, result.stderr
+        message = _refused_in_process([*command, value])
+        assert command[-1] in message, message

@@ -96,8 +96,8 @@ def _stale(lock: Path) -> bool:
     except ProcessLookupError:
         return True
     except OSError:  # another user's process: alive
-        return False
-    return pid == os.getpid()  # this process claimed it before, in an earlier run here
+        pass
+    return False
 
 
 def write_snapshot(snapshot: dict[str, Any], path: Path, overwrite: bool = False) -> None:
