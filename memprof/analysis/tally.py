@@ -113,7 +113,8 @@ class Tally:
             peak=self._peak, ooms=[],
             check=Check(decisions_total=placed, decisions_matched=placed,
                         segments_predicted=self._grown, segments_recorded=self._grown,
-                        addresses_total=placed, addresses_matched=placed),
+                        addresses_total=placed, addresses_matched=placed,
+                        common_path=placed - self._grown),
             final=self._final)
 
 
