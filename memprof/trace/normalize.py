@@ -6,7 +6,7 @@ range, see :mod:`memprof.trace.fields`), and nothing past this module sees raw v
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from itertools import repeat
 from operator import itemgetter
 from typing import Any
@@ -23,6 +23,7 @@ from memprof.trace.fields import (
     integer,
     text,
 )
+from memprof.trace.frame_table import FrameTable
 from memprof.trace.model import (
     ACTION_CODES,
     CATEGORIES,
@@ -31,70 +32,18 @@ from memprof.trace.model import (
     AllocatorSettings,
     Block,
     DeviceTrace,
-    Frame,
-    Frames,
     Segment,
     Snapshot,
 )
 
-__all__ = ["FrameTable", "NotASnapshot", "normalize"]
+__all__ = ["NotASnapshot", "normalize"]
 
 BLOCK_STATES = {"active_allocated": "active_allocated", "inactive": "inactive",
                 "active_pending_free": "active_pending_free",
                 "active_awaiting_free": "active_pending_free"}  # the docs' name for it
-MAX_FRAMES = 1024  # innermost frames kept per stack; real stacks hold a few hundred at most
 MAX_DEVICES = 1024  # device indices: a machine has a few dozen GPUs at most
 # bytes of all the segments, or all the events of a trace, together: sums of them fit int64
 MAX_TOTAL = 1 << 61
-
-
-class FrameTable:
-    """Converts raw frame lists (and the stacks memprof's recorders hold, ``events.py``) to
-    shared :class:`Frame` tuples.
-
-    Snapshots share frame dicts (and sometimes whole lists) between events (pickle
-    memoisation), so caching by object identity converts each distinct one once, and a
-    file cannot make memprof build more frames than it holds. The raw lists stay
-    referenced by the trace, which keeps the identities valid.
-    """
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, Frame] = {}
-        self._lists: dict[int, Frames] = {}
-
-    def frame(self, raw: Mapping[str, Any]) -> Frame:
-        key = id(raw)
-        cached = self._by_id.get(key)
-        if cached is None:
-            line = raw.get("line")
-            cached = Frame(text(raw, "filename", "??"),
-                           line if type(line) is int and 0 <= line < 1 << 31 else 0,
-                           text(raw, "name", "??"))
-            self._by_id[key] = cached
-        return cached
-
-    def recorded_frame(self, raw: tuple) -> Frame:
-        """A frame as the recorders hold it: ``(name, filename, line)``."""
-        key = id(raw)
-        cached = self._by_id.get(key)
-        if cached is None:
-            name, filename, line = raw if len(raw) == 3 else ("??", "??", 0)
-            cached = Frame(filename if type(filename) is str else "??",
-                           line if type(line) is int and 0 <= line < 1 << 31 else 0,
-                           name if type(name) is str else "??")
-            self._by_id[key] = cached
-        return cached
-
-    def frames(self, raw: object) -> Frames:
-        kind = type(raw)
-        if kind is not list and kind is not tuple:
-            return ()
-        cached = self._lists.get(id(raw))
-        if cached is None:
-            convert, entry = (self.frame, dict) if kind is list else (self.recorded_frame, tuple)
-            cached = tuple(convert(f) for f in raw[:MAX_FRAMES] if type(f) is entry)
-            self._lists[id(raw)] = cached
-        return cached
 
 
 def normalize(raw: object, max_items: int | None = None) -> Snapshot:
