@@ -26,6 +26,7 @@ from memprof.advise.peak import Peak, peak_of
 from memprof.advise.source import Run
 from memprof.errors import MemprofError
 from memprof.report.provenance import signed_here
+from memprof.trace.fields import describe
 
 RERUN_STEPS = 3  # the peak of a training step shows by its second or third step
 MAX_BATCH = 1 << 16
@@ -59,13 +60,13 @@ class Rerun:
                 f" ({_gist(shlex.join(recorded), 120)}), and this report was not written by"
                 " memprof run here, for you: check that command, then give it with"
                 " --rerun-command 'SCRIPT ARGS' to re-run it from this folder")
+        # the report's fields have their types (report/checked.py); their meaning is checked
         where = _where(run.path, facts)
         conf = facts.get("allocator_conf") or ""
-        if not isinstance(conf, str) or _bad_conf(conf):
+        if _bad_conf(conf):
             raise MemprofError(f"{run.path}: run.allocator_conf is not allocator settings")
-        done = facts.get("optimizer_steps")
-        done = done if isinstance(done, int) and not isinstance(done, bool) and done > 0 else 0
-        cwd = facts.get("cwd") if given is None and isinstance(facts.get("cwd"), str) else None
+        done = facts.get("optimizer_steps") or 0
+        cwd = facts.get("cwd") if given is None else None
         rerun = cls(given or recorded, where, min(done, RERUN_STEPS) if done else None, conf,
                     cwd)
         if rerun.target[0] != "-m" and not Path(cwd or ".", rerun.script).is_file():
@@ -127,12 +128,12 @@ def given_command(text: str) -> list[str]:
     try:
         words = shlex.split(text)
     except ValueError as exc:
-        raise MemprofError(f"--rerun-command {text!r}: {exc}") from None
+        raise MemprofError(f"--rerun-command {describe(text, 100)}: {exc}") from None
     if words[:2] == ["memprof", "run"]:
         words = words[2:]
     if not words or (words[0].startswith("-") and (words[0] != "-m" or len(words) < 2)):
-        raise MemprofError(f"--rerun-command {text!r}: expected a script and its arguments"
-                           " (train.py --batch 8) or -m MODULE and its arguments")
+        raise MemprofError(f"--rerun-command {describe(text, 100)}: expected a script and its"
+                           " arguments (train.py --batch 8) or -m MODULE and its arguments")
     return words
 
 
@@ -144,9 +145,9 @@ def _where(path: Path, facts: dict[str, Any]) -> list[str]:
         return ["--device", "cpu" if facts.get("predicted") is True else "cuda"]
     from memprof.collect.virtual.cards import parse_spec
 
-    spec = virtual.get("spec")
+    spec = virtual["spec"]
     try:
-        parse_spec(spec if isinstance(spec, str) else "")
+        parse_spec(spec)
     except ValueError:
         raise MemprofError(f"{path}: run.virtual_gpu.spec is not a card memprof knows") from None
     return ["--virtual-gpu", spec]
