@@ -65,6 +65,10 @@ TEXT = _kind(str, "a string")
 FLAG = _kind(bool, "true or false")
 
 
+def ANY(value: Any, where: str) -> None:
+    """A field no reader uses beyond showing it."""
+
+
 def optional(check: Check) -> Check:
     """``check``, or null."""
     def inner(value: Any, where: str) -> None:
@@ -185,7 +189,7 @@ RUN = record(
                 error=optional(TEXT)),
     stopped_by=optional(TEXT), optimizer_steps=COUNT, no_steps_reason=optional(TEXT),
     rank=COUNT, world_size=_integer(1, MAX_ID, "a world size"),
-    cuda=optional(table(lambda value, where: None)), model=optional(MODEL),
+    cuda=optional(table(ANY)), model=optional(MODEL),
     virtual_gpu=optional(record(("spec",), spec=TEXT, device_name=TEXT, total_bytes=BYTES,
                                 capability=items(COUNT), context_bytes=BYTES,
                                 context_measured=FLAG)),
