@@ -262,6 +262,14 @@ def as_module(where: Path) -> tuple[Result, Result]:
 
 
 @job
+def as_command(where: Path) -> tuple[Result, Result, Path]:
+    """``-c CODE``, as ``python -c`` runs it (no ``__file__``)."""
+    code = SHOW.replace("__file__", 'globals().get("__file__")')
+    return (memprof_run(where, "-o", where / "out", "--device", "cpu", "-c", code, *SCRIPT_ARGS),
+            run_python(["-c", code, *SCRIPT_ARGS], where), where / "out")
+
+
+@job
 def missing(where: Path) -> tuple[Result, Path]:
     return memprof_run(where, "-o", where / "out", "no_such_script.py"), where
 
@@ -524,10 +532,10 @@ def test_an_existing_report_is_kept_without_force(runs: dict[str, Future[Any]]) 
 # --- running as Python would ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["as_script", "as_module"])
+@pytest.mark.parametrize("name", ["as_script", "as_module", "as_command"])
 def test_argv_main_and_path_are_what_python_sets(runs: dict[str, Future[Any]],
                                                   name: str) -> None:
-    result, plain = runs[name].result()
+    result, plain = runs[name].result()[:2]
     assert (result.code, plain.code) == (0, 0), result.stderr
     seen, expected = json.loads(result.stdout), json.loads(plain.stdout)
     assert expected["argv"][1:] == SCRIPT_ARGS
@@ -537,6 +545,13 @@ def test_argv_main_and_path_are_what_python_sets(runs: dict[str, Future[Any]],
     # the script's output is untouched: memprof's own messages go to stderr
     assert result.stdout == json.dumps(seen) + "\n"
     assert "Run folder:" in result.stderr
+
+
+def test_a_command_runs_as_python_c_runs_it(runs: dict[str, Future[Any]]) -> None:
+    result, plain, out = runs["as_command"].result()
+    assert json.loads(result.stdout)["file"] is json.loads(plain.stdout)["file"] is None
+    command = report(out)["run"]["command"]
+    assert command[:3] == ["memprof", "run", "-c"] and command[4:] == SCRIPT_ARGS
 
 
 def test_script_file_is_what_python_sets(runs: dict[str, Future[Any]]) -> None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+import memprof
 from memprof.trace.model import Frame, Frames
 
 _LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/torch/", "torchinductor",
                     "/lib/python3", "<frozen ", "<string>")
+# memprof's command line: its frames and those outside them are not the script's
+_COMMANDS = str(Path(memprof.__file__).resolve().parent / "cli").replace("\\", "/") + "/"
 # torch's module-call plumbing says nothing about what allocated
 _PLUMBING = {"_call_impl", "_wrapped_call_impl", "__call__", "inner", "wrapper", "decorate_context",
              "_fn", "new_forward", "forward_call", "_use_grad", "maybe_fallback"}
@@ -47,7 +51,12 @@ def short_path(filename: str, keep: int = 2) -> str:
 
 def site_of(frames: Frames) -> Site:
     """The site of a stack (innermost frame first); C++ frames are skipped."""
-    python = [f for f in frames if f.is_python]
+    python = []
+    for f in frames:
+        if f.is_python:
+            if f.filename.replace("\\", "/").startswith(_COMMANDS):
+                break  # ``run -c CODE``'s code is "<string>": no frame of it is a file
+            python.append(f)
     for i, frame in enumerate(python):
         if not is_library(frame):
             return Site(frame, _library_call(python[:i]))

@@ -34,6 +34,9 @@ def run(
     module: Annotated[str | None, typer.Option(
         "-m", metavar="MODULE", help="Run a library module as a script, as `python -m` does.",
         show_default=False)] = None,
+    command: Annotated[str | None, typer.Option(
+        "-c", metavar="CODE", help="Run this code as `python -c` does (sys.argv[0] is '-c').",
+        show_default=False)] = None,
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="The run folder (default: reports/SCRIPT-YYYYmmdd-HHMMSS).",
         show_default=False)] = None,
@@ -96,12 +99,19 @@ def run(
     `torchrun --nproc-per-node 2 -m memprof run train_ddp.py` (one report per rank).
     """
     args = list(script or [])
-    if module is None and not args:
-        raise MemprofError("nothing to run: give a script (memprof run train.py) or -m MODULE")
+    if module is None and command is None and not args:
+        raise MemprofError("nothing to run: give a script (memprof run train.py), -m MODULE"
+                           " or -c CODE")
+    if module is not None and command is not None:
+        raise MemprofError("-m and -c both given: run one module or one command")
     from memprof.collect.launch.script import Target  # here: other commands need none of it
 
-    target = Target(module, tuple(args), True) if module else Target(args[0], tuple(args[1:]),
-                                                                     False)
+    if module is not None:
+        target = Target(module, tuple(args), module=True)
+    elif command is not None:
+        target = Target(command, tuple(args), code=True)
+    else:
+        target = Target(args[0], tuple(args[1:]))
     target.check()  # before the slow imports: a typo gets its answer at once
     limit = _max_peak(max_peak)
     if seconds is not None and not MIN_SECONDS <= seconds <= MAX_SECONDS:  # NaN too
@@ -314,7 +324,7 @@ def _facts(recording: Recording, meta: dict[str, Any], target: Target,
 
 def _command(target: Target) -> list[str]:
     """The command line the report shows for a run of ``target``."""
-    return ["memprof", "run", *(["-m"] if target.module else []), target.name, *target.args]
+    return ["memprof", "run", *target.option, target.name, *target.args]
 
 
 def _max_peak(text: str | None) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from rich.console import Console
@@ -31,7 +32,7 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
            "interrupted": "was interrupted (Ctrl-C)",
            "stopped": _stopped(run)}
     console.print(Text.assemble(
-        ("memprof run ", "bold"), visible(" ".join(run["command"][2:])),
+        ("memprof run ", "bold"), visible(shlex.join(run["command"][2:])),
         f": {how[ended['status']]},"
         f" exit code {ended['code']}, {run['duration_s']:.1f} s on {run['device']}"))
     virtual = run.get("virtual_gpu")

@@ -58,7 +58,8 @@ class Frame:
 
     @property
     def is_python(self) -> bool:
-        return self.filename.endswith(".py")
+        """A Python frame (a file's, or code run from a string: ``-c``, ``exec``), not C++."""
+        return self.filename.endswith(".py") or self.filename == "<string>"
 
 
 Frames = tuple[Frame, ...]

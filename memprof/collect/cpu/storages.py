@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import (
 
 from memprof.collect.cpu.op_facts import FUSED, MAY_ALIAS, SCORES, VIEW, op_facts
 from memprof.collect.cpu.score_ops import is_square
+from memprof.collect.cpu.storage_resize import ResizeWatch
 from memprof.collect.frames import StackCapture
 from memprof.collect.recording import requested_peak
 from memprof.collect.tensors import storages_behind, tensors_in
@@ -154,6 +155,7 @@ class StorageTracker(_PlainMode):
         # threads the script starts record too (``threads.py``): one at a time
         self._lock = threading.RLock()
         self._on_free_callback = self._on_free  # one bound method for every weak reference
+        self._resizes = ResizeWatch(self.resized)
 
     def __enter__(self) -> StorageTracker:
         self._wrappers = _dispatch_wrapper_codes()
@@ -161,6 +163,7 @@ class StorageTracker(_PlainMode):
         self._epoch_us = time.time_ns() // 1000
         self._origin_ns = time.perf_counter_ns()
         super().__enter__()
+        self._resizes.__enter__()
         _RECORDING.add(self)
         return self
 
@@ -169,6 +172,7 @@ class StorageTracker(_PlainMode):
         self._stacks.pin(None)
         if self._forked:
             return  # a forked child's copy: it stopped recording at the fork
+        self._resizes.__exit__()
         if _get_current_dispatch_mode() is not self:
             raise RuntimeError("a dispatch mode entered during recording is still active")
         super().__exit__(*exc)
@@ -229,6 +233,25 @@ class StorageTracker(_PlainMode):
         with self._lock:
             if key not in self._live:
                 self._alloc(st, key, frame)
+
+    def resized(self, st: torch.UntypedStorage, frame: FrameType | None) -> None:
+        """``st.resize_(n)`` ran where ``frame`` runs: a tracked block of another size is
+        freed, and a new block of ``n`` bytes allocated unless ``n`` is 0, as on a card."""
+        key = st._cdata
+        with self._lock:
+            if self._stopped:
+                return
+            ref = self._live.get(key)
+            if ref is not None:
+                if ref.event[SIZE] == st.nbytes():
+                    return
+                self._free(ref, frame)
+            elif (empty := self._empty.pop(key, None)) is None or empty() is not st:
+                return  # a storage made before the recording: not the trace's
+            if st.nbytes():
+                self._alloc(st, key, frame)
+            else:
+                self._empty[key] = weakref.ref(st, self._forget_empty(key))
 
     def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
         with self._lock:

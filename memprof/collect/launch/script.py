@@ -1,4 +1,4 @@
-"""Run a user's script or module in this process, exactly as ``python`` would."""
+"""Run a user's script, module or command in this process, exactly as ``python`` would."""
 
 from __future__ import annotations
 
@@ -24,20 +24,35 @@ from memprof.errors import MemprofError
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """What to run: a script path or a module name, and its arguments."""
+    """What to run: a script path, a module name (``-m``) or a command's code (``-c``),
+    and its arguments."""
 
     name: str
     args: tuple[str, ...]
-    module: bool
+    module: bool = False
+    code: bool = False
 
     @property
     def stem(self) -> str:
         """A short name for output files: the script's file name or the module's last part."""
+        if self.code:
+            return "command"
         return self.name.rsplit(".", 1)[-1] if self.module else Path(self.name).stem
+
+    @property
+    def option(self) -> list[str]:
+        """``-m`` or ``-c`` before the name on a command line, as python takes them."""
+        return ["-m"] if self.module else ["-c"] if self.code else []
 
     def check(self) -> None:
         """Fail early, in one line, if there is nothing to run."""
-        if self.module:
+        if self.code:
+            try:
+                compile(self.name, "<string>", "exec")
+            except SyntaxError as exc:
+                raise MemprofError(f"-c: the code does not compile: {exc.msg} (line"
+                                   f" {exc.lineno})") from None
+        elif self.module:
             sys.path.insert(0, os.getcwd())  # where `python -m` looks first
             try:
                 found = importlib.util.find_spec(self.name) is not None
@@ -68,10 +83,13 @@ def run(target: Target) -> Outcome:
     and turned into exit codes: ``sys.exit(n)`` gives n, an exception 1, Ctrl-C 130.
     """
     saved_argv, saved_path, hook = sys.argv[:], sys.path[:], sys.excepthook
-    sys.argv = [target.name, *target.args]
-    sys.path[0] = os.getcwd() if target.module else str(Path(target.name).resolve().parent)
+    sys.argv = ["-c" if target.code else target.name, *target.args]
+    sys.path[0] = (os.getcwd() if target.module else "" if target.code
+                   else str(Path(target.name).resolve().parent))
     try:
-        if target.module:
+        if target.code:
+            _run_code(compile(target.name, "<string>", "exec"), None)
+        elif target.module:
             _SCRIPT_GLOBALS.append(runpy.run_module(target.name, run_name="__main__",
                                                     alter_sys=True))
         else:
@@ -112,9 +130,14 @@ def _run_script(path: str) -> None:
     """
     filename = os.path.join(os.getcwd(), path)
     with io.open_code(filename) as f:
-        code = compile(f.read(), filename, "exec")
+        _run_code(compile(f.read(), filename, "exec"), filename)
+
+
+def _run_code(code: types.CodeType, filename: str | None) -> None:
+    """Execute ``code`` in a fresh ``__main__`` (with ``__file__`` unless it is ``-c``'s)."""
     main = types.ModuleType("__main__")
-    main.__file__ = filename
+    if filename is not None:
+        main.__file__ = filename
     main.__builtins__ = builtins
     saved = sys.modules.get("__main__")
     sys.modules["__main__"] = main

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -72,7 +74,7 @@ class Event:
     """A CUDA event; ``elapsed_time`` is 0 (no kernels run)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False) -> None:
+                 interprocess: bool = False, external: bool = False) -> None:
         self.enable_timing = enable_timing
 
     def record(self, stream: object = None) -> None: ...
@@ -100,6 +102,25 @@ def _exchange_device(device: int) -> int:
 @contextlib.contextmanager
 def _nvtx_range(*args: object, **kwargs: object) -> Iterator[None]:
     yield
+
+
+def signed_like(real: object, stub: Callable[..., Any]) -> Callable[..., Any]:
+    """``stub`` called as ``real`` is: the script's arguments bound to ``real``'s signature
+    (so ``stream(stream=s)`` works and a wrong call raises PyTorch's ``TypeError``), then
+    handed to ``stub`` positionally, defaults filled in."""
+    try:
+        signature = inspect.signature(real)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a C function: no signature to match
+        return stub
+    if isinstance(real, type) or not callable(real):
+        return stub
+
+    @functools.wraps(real)  # type: ignore[arg-type]
+    def called_as_torch_does(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return stub(*bound.args, **bound.kwargs)
+    return called_as_torch_does
 
 
 def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
@@ -199,7 +220,7 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
             if hasattr(module, name):
                 patches[(module, name)] = value
     patches[(memory, "_record_memory_history")] = history.record
-    patches[(memory, "_snapshot")] = lambda device=None, *a, **k: history.snapshot()
+    patches[(memory, "_snapshot")] = lambda *a, **k: history.snapshot()
     patches[(memory, "_dump_snapshot")] = history.dump
     patches[(nvtx, "range_push")] = _nothing
     patches[(nvtx, "range_pop")] = _nothing
@@ -220,7 +241,8 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
         for module in _accelerator_modules():
             if hasattr(module, name):
                 patches[(module, name)] = value
-    return patches
+    return {(module, name): signed_like(getattr(module, name, None), stub)
+            for (module, name), stub in patches.items()}
 
 
 def _accelerator_modules() -> list[object]:
@@ -268,6 +290,6 @@ class HistoryWindow:
         self._ends = (trace[0], trace[-1]) if trace else (None, None)
         return list(self._converted)
 
-    def dump(self, filename: str = "dump_snapshot.pickle") -> None:
+    def dump(self, filename: str = "dump_snapshot.pickle", *args: object) -> None:
         with open(filename, "wb") as f:
             pickle.dump(self.snapshot(), f)

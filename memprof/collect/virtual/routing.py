@@ -10,11 +10,16 @@ tensors stay real; ``scaled_dot_product_attention`` runs the card's kernel
 from __future__ import annotations
 
 import functools
+import types as pytypes
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import (
+    TorchFunctionMode,
+    _get_current_function_mode_stack,
+    redispatch_function,
+)
 from torch.utils._device import DeviceContext, _device_constructors
 
 from memprof.collect.virtual.attention import sdpa
@@ -26,6 +31,7 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 _DROPOUT = {torch.nn.functional.dropout: ("input", "p", "training", "inplace"),
             torch.dropout: ("input", "p", "train")}
 _FACTORIES = _device_constructors()
+_PARSE_TO = torch._C._nn._parse_to
 
 
 def is_cuda_device(device: object) -> bool:
@@ -54,6 +60,8 @@ class CudaRouting(TorchFunctionMode):
             return _to_cuda(args[0], None)
         if func is torch.Tensor.to:
             return _to(args[0], args[1:], kwargs, func)
+        if func is _PARSE_TO:  # Module.to's parser: its device= is read, not made
+            return _parse_to(args, kwargs)
         if func is _SDPA:
             return sdpa(self.card, *args, **kwargs)
         if func in _DROPOUT:
@@ -66,6 +74,13 @@ class CudaRouting(TorchFunctionMode):
         if is_cuda_device(device):
             out = func(*args, **{**kwargs, "device": _META})
             return _on_device(out) if isinstance(out, torch.Tensor) else out
+        if type(func) is pytypes.FunctionType and not func.__qualname__.startswith("Tensor."):
+            # a Python function (F.multi_head_attention_forward): PyTorch runs it with this
+            # mode off, so its own torch calls (its SDPA, its factories) would escape the
+            # card; run it with the mode on, one dispatch hop skipped. Tensor's Python
+            # methods call their C twin, which would dispatch here again.
+            with self:
+                return redispatch_function(func, types, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -124,13 +139,21 @@ def module_to(original: Callable[..., Any]) -> Callable[..., Any]:
     return to
 
 
+def _parse_to(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """``to``'s (device, dtype, non_blocking, memory_format), a CUDA device as the script
+    sees it: ``to(other)`` takes ``other.device`` (C++ would read a virtual tensor's meta)."""
+    args, kwargs = index_as_cuda(args, kwargs)
+    other = args[0] if args else kwargs.get("other")
+    if isinstance(other, torch.Tensor):  # to(other): other's device and dtype
+        args = (other.device, other.dtype, *args[1:])
+        kwargs = {k: v for k, v in kwargs.items() if k != "other"}
+    return _PARSE_TO(*args, **kwargs)
+
+
 def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torch.Tensor:
     args, kwargs = index_as_cuda(args, kwargs)
-    parsed = args
-    if args and isinstance(args[0], torch.Tensor):  # to(other): other's device and dtype
-        parsed = (args[0].device, args[0].dtype, *args[1:])
-    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(
-        *parsed, **{k: v for k, v in kwargs.items() if k != "copy"})
+    device, dtype, non_blocking, memory_format = _parse_to(
+        args, {k: v for k, v in kwargs.items() if k != "copy"})
     if device is None or device.type != "cuda":
         return func(t, *args, **kwargs)
     if type(t) is not VirtualTensor:

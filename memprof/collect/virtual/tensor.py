@@ -86,6 +86,11 @@ class VirtualTensor(torch.Tensor):
     def get_device(self) -> int:
         return 0
 
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        """The inner meta tensor's storage: the one the recorder tracks, and the one a
+        ``resize_`` (FSDP2's free and regather) must reach."""
+        return self.elem.untyped_storage()
+
     def __repr__(self, **kwargs: Any) -> str:
         placeholder_notice()
         grad = ", requires_grad=True" if self.requires_grad else ""
