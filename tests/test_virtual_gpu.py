@@ -443,6 +443,10 @@ def test_adam_state_is_exact_and_step_tensors_stay_on_the_host(runs: dict[str, F
     device = device_of(where)
     assert {k: device["categories"][k] for k in expected} == expected
     assert {k: device["category_peaks"][k] for k in expected} == expected
+    # the tensors' own bytes: 4P of weights, 4P of gradients, 8P of moments, as a hand count
+    count = sum(p.numel() for p in model.parameters())
+    assert {k: device["categories_requested"][k] for k in expected} == {
+        "parameters": F32 * count, "gradients": F32 * count, "optimizer_state": 2 * F32 * count}
     data = report(where / "out")
     assert data["run"]["predicted"] is True
     card = parse_spec("H100")

@@ -219,11 +219,15 @@ class _Describer:
         events, ends = rows.event.tolist(), rows.end.tolist()
         frames = [self._frames(e, i) for e, i in zip(events, rows.initial.tolist(), strict=True)]
         categories = dict.fromkeys(CATEGORIES, 0)
+        requested = dict.fromkeys(CATEGORIES, 0)
         in_blocks = dict.fromkeys(CATEGORIES, 0) if self.modules else {}
         paths = self.modules or {}
+        asked = self.trace.size if self.trace is not None else None  # an alloc's: requested
         for event, end, size, stack in zip(events, ends, sizes, frames, strict=True):
             category = self._category(event, end, stack)
             categories[category] += size
+            requested[category] += int(asked[event]) if event >= 0 and asked is not None \
+                else size
             path = paths.get(event)
             if path is not None and in_block(path):
                 in_blocks[category] += size
@@ -238,7 +242,7 @@ class _Describer:
         sites = [SiteUsage(label, s.user, s.call, b, c, b / total if total else 0.0)
                  for label, (s, b, c) in ranked]
         return Live(total, categories, sites, self._modules(events, sizes, frames, total, top),
-                    in_blocks)
+                    in_blocks, requested)
 
     def _modules(self, events: list[int], sizes: list[int], frames: list[Frames], total: int,
                  top: int | None) -> list[ModuleUsage]:

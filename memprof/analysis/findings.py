@@ -44,6 +44,10 @@ class Live:
     # bytes by category that the elements of module lists held (``blocks.3``,
     # ``transformer.h.0``: the repeated blocks); empty where modules are unknown
     in_blocks: dict[str, int] = field(default_factory=dict)
+    # the bytes the tensors asked for, by category (``categories`` counts the allocator's
+    # blocks: rounded up to 512 bytes, some left unsplit); a block allocated before the
+    # trace's window counts its block size
+    requested: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

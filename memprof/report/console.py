@@ -135,6 +135,9 @@ def _live_tables(live: Live, inferred: bool, moment: str) -> Group:
     for key, value in sorted(live.categories.items(), key=lambda kv: -kv[1]):
         if value:
             cats.add_row(CATEGORY_NAMES[key], fb(value), f"{100 * value / total:.1f}%")
+    if live.requested:  # the bytes above are the allocator's blocks: what a hand count finds
+        cats.add_row(Text("the tensors' own bytes (blocks round up)", "dim"),
+                     Text(fb(sum(live.requested.values())), "dim"), "")
     parts = [Text(""), cats, Text(""), sites_table(live, moment)]
     if live.modules:
         parts += [Text(""), modules_table(live, moment)]

@@ -63,6 +63,8 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
         },
         "end": {"allocated_bytes": d.end_allocated_bytes, "reserved_bytes": d.end_reserved_bytes},
         "categories": d.at_peak.categories,
+        # the tensors' own bytes, by category: what a hand count of 4P parameters finds
+        "categories_requested": d.at_peak.requested or None,
         "categories_inferred": d.categories_inferred,
         # of those, what the repeated blocks' modules held (memprof run only; else null)
         "categories_in_blocks": d.at_peak.in_blocks or None,

@@ -74,7 +74,10 @@ def breakdown(d: DeviceFindings, run: dict[str, Any]) -> Table:
             continue  # only a virtual GPU knows its workspaces; elsewhere they are "other"
         t.add_row(CATEGORY_NAMES[key], fb(value), f"{100 * value / total:.1f}%")
     t.add_row(Text("allocated (max_memory_allocated)", "bold"), fb(d.peak_allocated_bytes), "",
-              end_section=True)
+              end_section=not d.at_peak.requested)
+    if d.at_peak.requested:  # what a hand count of the tensors finds: blocks round up
+        t.add_row(Text("  the tensors' own bytes (blocks round up)", "dim"),
+                  Text(fb(sum(d.at_peak.requested.values())), "dim"), "", end_section=True)
     cached = d.reserved_at_peak_bytes - d.peak_allocated_bytes
     t.add_row("cached by the allocator (reserved, unallocated)", fb(cached),
               f"{100 * cached / total:.1f}%")
