@@ -33,7 +33,7 @@ from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
 from memprof.analysis.steps import WARMUP_STEPS, step_growth, step_peaks
 from memprof.analysis.tally import Tally
-from memprof.analysis.whatif import what_if
+from memprof.analysis.whatif import unfragmented, what_if
 from memprof.errors import MemprofError
 from memprof.trace.model import (
     ACTIVATIONS,
@@ -131,7 +131,7 @@ def _device(snapshot: Snapshot, device: int, segments: list[Segment], top: int,
         at_peak=describe.live(peak),
         categories_inferred=labels is None,
         fragmentation=_fragmentation(result.peak, result.final),
-        ooms=[_oom(describe, m, trace) for m in result.ooms],
+        ooms=[_oom(describe, m, trace, result, snapshot.settings) for m in result.ooms],
         replay=_replay_summary(snapshot, result, segments, reserved, what_ifs, trace,
                                device_memory),
         timeline=Timeline(allocated, reserved, times),
@@ -299,10 +299,12 @@ def _fragmentation(peak: Moment, final: Moment) -> Fragmentation:
     )
 
 
-def _oom(describe: _Describer, moment: Moment, trace: DeviceTrace) -> Oom:
+def _oom(describe: _Describer, moment: Moment, trace: DeviceTrace, result: Replay,
+         settings: AllocatorSettings) -> Oom:
     i = moment.index
     requested = int(trace.size[i])
-    fragmented = moment.free.free_bytes >= requested > moment.free.largest_block
+    limit = moment.reserved + trace.device_free.get(i, 0)
+    fits, expandable_reserved, short = unfragmented(trace, result, settings, i, limit)
     return Oom(
         event_index=i,
         time_us=int(trace.time_us[i]) if trace.time_us is not None else None,
@@ -313,8 +315,11 @@ def _oom(describe: _Describer, moment: Moment, trace: DeviceTrace) -> Oom:
         reserved_bytes=moment.reserved,
         cached_free_bytes=moment.free.free_bytes,
         largest_free_block_bytes=moment.free.largest_block,
-        kind="fragmentation" if fragmented else "shortage",
+        kind="fragmentation" if fits else "shortage",
         live=describe.live(i),
+        limit_bytes=limit,
+        expandable_reserved_bytes=expandable_reserved,
+        short_bytes=short,
     )
 
 

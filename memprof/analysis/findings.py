@@ -76,8 +76,13 @@ class Oom:
     reserved_bytes: int
     cached_free_bytes: int
     largest_free_block_bytes: int
-    kind: str  # "fragmentation" or "shortage"
+    # decided by replaying the trace to this request under expandable segments with the
+    # same memory: "fragmentation" if it then fits, else "shortage"
+    kind: str
     live: Live
+    limit_bytes: int = 0  # what PyTorch could reserve: reserved + free on the device
+    expandable_reserved_bytes: int = 0  # reserved before the request, expandable segments
+    short_bytes: int = 0  # a shortage's bytes missing even without fragmentation
 
 
 @dataclass(slots=True)

@@ -129,7 +129,8 @@ LIVE = record(allocated_bytes=BYTES, categories=table(BYTES), top_sites=items(SI
 OOM = record(event_index=INDEX, time_us=optional(TIME), requested_bytes=BYTES,
              device_alloc_bytes=BYTES, device_free_bytes=BYTES, allocated_bytes=BYTES,
              reserved_bytes=BYTES, cached_free_bytes=BYTES, largest_free_block_bytes=BYTES,
-             kind=TEXT, live=LIVE)
+             kind=TEXT, live=LIVE, limit_bytes=BYTES, expandable_reserved_bytes=BYTES,
+             short_bytes=BYTES)
 POOL = record(pool=TEXT, stream=COUNT, segments=COUNT, reserved_bytes=BYTES,
               allocated_bytes=BYTES)
 PEAK = record(("allocated_bytes", "reserved_bytes"), allocated_bytes=BYTES,

@@ -289,13 +289,16 @@ def oom_group(o: Oom, same_as_peak: bool, inferred: bool) -> Group:
     """An out-of-memory event: the request, why it failed, what held the memory
     (``inferred``: its categories come from stacks, the snapshot has no labels)."""
     if o.kind == "fragmentation":
-        why = (f"Fragmentation: {fb(o.cached_free_bytes)} was cached free, more than the request,"
-               f" but the largest free block was {fb(o.largest_free_block_bytes)}. Try"
-               " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (or max_split_size_mb).")
+        why = (f"Fragmentation: replayed with expandable segments in the same"
+               f" {fb(o.limit_bytes)}, the request fits ({fb(o.expandable_reserved_bytes)}"
+               f" reserved before it, against {fb(o.reserved_bytes)} recorded; the largest free"
+               f" block was {fb(o.largest_free_block_bytes)}). Set"
+               " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True.")
     else:
-        why = (f"A real shortage: only {fb(o.cached_free_bytes)} was cached free (largest block"
-               f" {fb(o.largest_free_block_bytes)}) and the device had {fb(o.device_free_bytes)}"
-               " left. Reduce what is live (see below) or shard/offload it.")
+        why = (f"A real shortage: the request needed {fb(o.short_bytes)} more than the"
+               f" {fb(o.limit_bytes)} PyTorch could reserve; replayed with expandable segments"
+               f" it does not fit either (not fragmentation). {fb(o.cached_free_bytes)} was"
+               " cached free. Reduce what is live (see below) or shard/offload it.")
     head = Text.assemble(
         ("OUT OF MEMORY", "bold white on red"),
         f" at event {o.event_index:,}: asked for {fb(o.requested_bytes)} (tried to obtain"
