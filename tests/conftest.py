@@ -5,9 +5,15 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from memprof.collect.cpu.recorder import CpuRecorder
+from memprof.collect.virtual.cards import parse_spec
+from memprof.collect.virtual.gpu import VirtualGpu
+from memprof.trace.model import AllocatorSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 # the samples import their shared helpers as Python does when it runs them: from their folder
@@ -65,3 +71,12 @@ def load_raw(path: Path) -> object:
     """The raw snapshot, loaded without memprof (for independent checks)."""
     with path.open("rb") as f:
         return _Refuse(f).load()
+
+
+@pytest.fixture
+def gpu() -> Iterator[VirtualGpu]:
+    """A virtual H100 recording in this process, for the duration of the test: CUDA
+    tensors made in it are virtual, and ``torch.cuda`` answers from the allocator model."""
+    virtual = VirtualGpu(parse_spec("H100"), AllocatorSettings())
+    with CpuRecorder(virtual.recorder), virtual:
+        yield virtual

@@ -327,8 +327,9 @@ import torch
 g = torch.Generator(device="cuda")  # a CPU build cannot make one: the card's stands in
 g.manual_seed(1)
 assert isinstance(g, torch.Generator) and isinstance(torch.default_generator, torch.Generator)
-x = torch.randn(512, 256, device="cuda", generator=g)
-labels = torch.randint(0, 100, (512,), device="cuda", generator=g)
+x = torch.randn(8192, 256, device="cuda", generator=g)
+# more elements than the virtual GPU keeps values for: sizes set by them are unknown
+labels = torch.randint(0, 100, (8192,), device="cuda", generator=g)
 keep = labels != 7
 before = torch.cuda.memory_allocated()
 picked = x[keep]  # a boolean mask: as many rows as the values select
@@ -617,7 +618,7 @@ def test_torch_cuda_answers_as_the_card(runs: dict[str, Future[Any]]) -> None:
         "stats": [6 + sum(size > 0 for size in blas_workspace_sizes(card.capability, {})),
                   seen["allocated"]], "summary": ["|", "PyTorch", "CUDA"],
         "threaded": "cuda:0", "cuda_version": "12.8"}
-    assert result.stderr.count("hold no values") == 1
+    assert "hold no values" not in result.stderr  # small tensors hold their real values
     assert result.stderr.count("torch.compile ran the model eagerly") == 1  # said once
 
 
@@ -683,9 +684,9 @@ def test_a_script_without_cuda_tensors_is_told_so(runs: dict[str, Future[Any]]) 
 def test_sizes_set_by_values_are_their_largest_and_unique_is_refused(
         runs: dict[str, Future[Any]]) -> None:
     result, where = finished(runs, "values", code=1)
-    # every row selected: 512 x 256 fp32, the block the allocator rounds it to
-    assert result.stdout.split() == ["cuda:0", "(512,", "256)", "(512,", "1)",
-                                     str(block(512 * 256 * 4))]
+    # every row selected: 8192 x 256 fp32, the block the allocator rounds it to
+    assert result.stdout.split() == ["cuda:0", "(8192,", "256)", "(8192,", "1)",
+                                     str(block(8192 * 256 * 4))]
     assert "sizes that depend on values (nonzero, torch.where(mask), boolean-mask indexing)" \
         " are taken at their largest" in result.stderr
     last = result.stderr.split("memprof run values.py")[0].strip().splitlines()[-1]

@@ -8,14 +8,14 @@ would hold, from the tensor sizes and the caching allocator's 512-byte rounding.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from test_run_cli import block
 from torch import nn
 
-from memprof.collect.cpu.recorder import CpuRecorder
 from memprof.collect.cpu.storages import StorageTracker
 from memprof.collect.virtual.cards import parse_spec
 from memprof.collect.virtual.cuda_api import HistoryWindow, Stream, cuda_api
@@ -26,18 +26,6 @@ from memprof.trace.model import WORKSPACE, AllocatorSettings
 
 MiB = 1 << 20
 
-
-def block(nbytes: int) -> int:
-    """The caching allocator's block for a request: rounded up to 512 bytes."""
-    return -(-nbytes // 512) * 512
-
-
-@pytest.fixture
-def gpu() -> Iterator[VirtualGpu]:
-    """A virtual H100 recording, for the duration of the test."""
-    virtual = VirtualGpu(parse_spec("H100"), AllocatorSettings())
-    with CpuRecorder(virtual.recorder), virtual:
-        yield virtual
 
 
 def _linear() -> nn.Linear:
@@ -229,3 +217,42 @@ def test_stream_context_by_keyword(gpu: VirtualGpu) -> None:
         assert torch.zeros(4, device="cuda").is_cuda
     with pytest.raises(TypeError):
         torch.cuda.stream(strem=side)
+
+
+def test_small_tensors_hold_the_values_that_decide_shapes(gpu: VirtualGpu) -> None:
+    """A loader drawing its offsets on the card (nanoGPT's ``get_batch``) slices the host
+    data with them: each batch is ``ctx`` long, as on the card, not empty."""
+    data = torch.arange(10_000)
+    ctx, batch = 128, 4
+    torch.manual_seed(0)
+    expected_host_draw = torch.rand(1)
+    torch.manual_seed(0)
+    offsets = torch.randint(len(data) - ctx, (batch,), device="cuda")
+    rows = [data[i:i + ctx] for i in offsets]
+    assert [len(r) for r in rows] == [ctx] * batch
+    assert all(0 <= int(i) < len(data) - ctx for i in offsets)
+    assert torch.rand(1) == expected_host_draw  # the script's host random stream is its own
+    x = torch.stack(rows).to("cuda")
+    assert x.is_cuda and x.shape == (batch, ctx)
+    mask = torch.tensor([0, 1, 0, 1, 1], device="cuda")
+    assert mask.nonzero().shape == (3, 1)  # sized by its values, not at its largest
+    assert torch.where(mask > 0)[0].tolist() == [1, 3, 4]
+    assert mask.unique().tolist() == [0, 1]  # no meta kernel: computed on the values
+    counter = torch.zeros((), device="cuda")
+    for _ in range(3):
+        counter += 1
+    assert counter.item() == 3 and repr(counter) == "tensor(3., device='cuda:0')"
+
+
+def test_a_large_tensors_value_is_a_placeholder_named_by_the_line(
+        gpu: VirtualGpu, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    from memprof.collect.virtual import tensor, values
+
+    monkeypatch.setattr(tensor, "_told", False)
+    big = torch.ones(values.SMALL + 1, device="cuda")
+    line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+    assert big.sum().item() == 0.0
+    assert big.sum().value is None  # computed from a tensor without values
+    said = capsys.readouterr().err
+    assert f"{__file__}:{line} reads the values" in said

@@ -26,6 +26,8 @@ def render(advice: Advice, console: Console, measured: Measured | None = None,
     start, budget = advice.start, advice.budget
     console.print(Text.assemble(("memprof suggest ", "bold"), visible(advice.run.path)))
     console.print(plain(f"Budget: {budget.read_as}"))
+    if advice.run.out_of_memory:
+        console.print(Text(visible(advice.run.out_of_memory), "bold"))
     where = "predicted for " + advice.run.facts["virtual_gpu"]["spec"] \
         if advice.run.facts.get("virtual_gpu") else advice.run.facts.get("device", "recorded")
     console.print(plain(f"Peak now: {fb(start.reserved)} reserved ({fb(start.allocated)}"
@@ -34,7 +36,10 @@ def render(advice: Advice, console: Console, measured: Measured | None = None,
         console.print("Categories inferred from stacks (a snapshot without memprof's labels):"
                       " savings are rougher.")
     gap = start.reserved - budget.bytes
-    if gap <= 0:
+    if gap <= 0 and advice.run.lower_bound:
+        console.print(Text("Within the budget up to where it ran out of memory; what it needs"
+                           " after is unknown.", "bold red"))
+    elif gap <= 0:
         console.print(Text(f"Already within the budget, with {fb(-gap)} to spare.", "green"))
     else:
         console.print(Text(f"Over the budget by {fb(gap)}.", "bold red"))
@@ -146,12 +151,15 @@ def as_json(advice: Advice, measured: Measured | None = None,
     return {
         "schema": SCHEMA,
         "command": "suggest",
-        "source": {"path": str(advice.run.path), "categories_inferred": advice.run.inferred},
+        "source": {"path": str(advice.run.path), "categories_inferred": advice.run.inferred,
+                   # a run that ran out of memory: advised from its re-run, or a lower bound
+                   "out_of_memory": advice.run.out_of_memory,
+                   "lower_bound": advice.run.lower_bound},
         "units": "bytes",
         "suggest": {
             "budget": {"bytes": advice.budget.bytes, "read_as": advice.budget.read_as},
             "current": peak(start),
-            "fits_now": start.reserved <= advice.budget.bytes,
+            "fits_now": start.reserved <= advice.budget.bytes and not advice.run.lower_bound,
             "remedies": [{
                 "key": r.remedy.key, "title": r.remedy.title, "saved_bytes": r.saved,
                 "peak": peak(r.peak), "cost": r.remedy.cost_text, "seed": r.remedy.seed,

@@ -19,6 +19,9 @@ class Run:
     device: dict[str, Any]
     snapshot: Path | None  # the trace, for allocator what-ifs
     inferred: bool  # categories inferred from stacks (a plain snapshot), not recorded
+    # the run ran out of memory: how the advice stands to it (None when it did not)
+    out_of_memory: str | None = None
+    lower_bound: bool = False  # an out-of-memory run's own peak: what it needs is unknown
 
     @property
     def facts(self) -> dict[str, Any]:
@@ -53,10 +56,38 @@ def load_run(source: Path) -> Run:
         return _from_snapshot(source)
     report = load_report(source, "source")
     folder = report.path.parent
-    snapshot = folder / "snapshot.pickle"
-    return Run(report.path, report.data, _largest(report.data["devices"]),
-               snapshot if snapshot.is_file() else None,
-               any(d.get("categories_inferred") for d in report.data["devices"]))
+    if any(d.get("oom") for d in report.data["devices"]):
+        return _out_of_memory(report.data, folder, report.path)
+    return _run(report.path, report.data)
+
+
+def _run(path: Path, data: dict[str, Any], out_of_memory: str | None = None,
+         lower_bound: bool = False) -> Run:
+    snapshot = path.parent / "snapshot.pickle"
+    return Run(path, data, _largest(data["devices"]), snapshot if snapshot.is_file() else None,
+               any(d.get("categories_inferred") for d in data["devices"]), out_of_memory,
+               lower_bound)
+
+
+def _out_of_memory(data: dict[str, Any], folder: Path, path: Path) -> Run:
+    """A run that ran out of memory: advised from its re-run with the memory raised
+    (``memprof run``'s ``need`` folder) where there is one, else from its own peak, a
+    lower bound."""
+    from memprof.collect.virtual.need import NEED_FOLDER
+    from memprof.report.units import format_bytes as fb
+
+    run = data.get("run") if isinstance(data.get("run"), dict) else {}
+    need = run.get("need") if isinstance(run.get("need"), dict) else {}
+    again = folder / NEED_FOLDER / REPORT_NAME
+    if isinstance(need.get("total_bytes"), int) and again.is_file():
+        rerun = load_report(again, "the re-run's report")
+        return _run(rerun.path, rerun.data, f"The run ran out of memory; advising from its"
+                    f" re-run with the card's memory raised ({again.parent}), which needs"
+                    f" {fb(need['total_bytes'])}.")
+    why = need.get("unknown") if isinstance(need.get("unknown"), str) else \
+        "no re-run with the memory raised: memprof run --virtual-gpu CARD predicts it"
+    return _run(path, data, f"The run ran out of memory, so its peak is a lower bound of what"
+                f" it needs ({why}); the savings below are of what ran.", lower_bound=True)
 
 
 def _from_snapshot(path: Path) -> Run:

@@ -47,10 +47,14 @@ def what_if(trace: DeviceTrace, result: Replay, settings: AllocatorSettings,
             trace.stream.tolist(), strict=True)):
         if action == Action.OOM:  # the request that failed: placed and given back, if it can be
             try:
-                alloc.free(alloc.malloc(size, stream))
+                probe = alloc.malloc(size, stream)
             except OutOfMemory:
                 oom_at, oom_size = i, size
                 break
+            peak_allocated = max(peak_allocated, alloc.allocated)
+            peak_reserved = max(peak_reserved, alloc.reserved)
+            alloc.release_stats(probe)
+            alloc.free(probe)
         elif action == Action.ALLOC:
             try:
                 blocks[addr] = alloc.malloc(size, stream)

@@ -116,6 +116,8 @@ def explain(
         from memprof.report import console as console_report  # rich's tables: not for --json -o -
 
         console_report.render(findings, out)
+        if not is_dir and any(d.ooms for d in findings.devices):
+            _said_need(snapshot.parent, out)
     notes = Console(stderr=True, soft_wrap=True)
     if json and not to_stdout:
         write_json(report_dict(findings), json_path, force)
@@ -170,3 +172,21 @@ def _settings(conf: str, option: str, capped: bool) -> AllocatorSettings:
     if problems:
         raise MemprofError(f"{option} {describe(conf, 100)}: {'; '.join(problems)}")
     return settings
+
+
+def _said_need(folder: Path, out: Console) -> None:
+    """What the run folder's report says the out-of-memory run needs, if it says."""
+    from memprof.gate.reports import REPORT_NAME, load_report
+    from memprof.report.run_summary import need_line
+
+    if not (folder / REPORT_NAME).is_file():
+        return
+    try:
+        report = load_report(folder / REPORT_NAME, "the run's report")
+    except MemprofError:
+        return  # a report that is not one: the snapshot's explanation stands alone
+    run = report.data.get("run")
+    need = run.get("need") if isinstance(run, dict) else None
+    if isinstance(need, dict):
+        spec = (run.get("virtual_gpu") or {}).get("spec")
+        out.print(need_line(need, spec if isinstance(spec, str) else None))

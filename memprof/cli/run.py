@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from memprof.cli.options import flag
+from memprof.cli.run_options import max_peak as max_peak_bytes
+from memprof.cli.run_options import virtual_card
+from memprof.cli.run_report import gate, run_command, run_facts
 from memprof.errors import MemprofError
 from memprof.trace.fields import describe
 
@@ -22,10 +26,9 @@ DEFAULT_MAX_ENTRIES = 1_000_000
 MIN_SECONDS, MAX_SECONDS = 0.001, 1e9  # --seconds: a timer's resolution; 30 years
 
 if TYPE_CHECKING:
-    from memprof.analysis.findings import DeviceFindings, Findings
     from memprof.collect.launch.script import Target
     from memprof.collect.recording import Recording
-    from memprof.collect.virtual.cards import Card
+    from memprof.collect.virtual.need import NeedCheck
     from memprof.report.background_plot import BackgroundPlot
 
 
@@ -81,6 +84,17 @@ def run(
     max_peak: Annotated[str | None, typer.Option(
         "--max-peak", metavar="SIZE", help="Fail the run (exit 1) when its peak reserved"
         " memory exceeds SIZE (e.g. 20GiB): a memory gate for CI.", show_default=False)] = None,
+    need: Annotated[bool, flag(
+        "--need/--no-need", help="When a run on the virtual GPU runs out of memory, run it"
+        " again on the same card with its memory raised and report what it needs (its peak"
+        " is a lower bound).", show_default=False)] = True,
+    virtual_gpu_memory: Annotated[str | None, typer.Option(
+        "--virtual-gpu-memory", metavar="SIZE", hidden=True, help="The virtual card's memory"
+        " changed to SIZE (what the --need re-run uses).", show_default=False)] = None,
+    child: Annotated[bool, flag(
+        "--child", hidden=True, help="A child process the run follows (memprof's own"
+        " command line for it): silent, with a report only where it made CUDA tensors.")
+        ] = False,
     script: Annotated[list[str] | None, typer.Argument(
         metavar="[SCRIPT] [ARGS]...", help="The script and its arguments (with -m: the"
         " module's arguments). Options after the script go to the script.",
@@ -113,17 +127,19 @@ def run(
     else:
         target = Target(args[0], tuple(args[1:]))
     target.check()  # before the slow imports: a typo gets its answer at once
-    limit = _max_peak(max_peak)
+    limit = max_peak_bytes(max_peak)
     if seconds is not None and not MIN_SECONDS <= seconds <= MAX_SECONDS:  # NaN too
         raise MemprofError(f"--seconds {seconds}: expected a number of seconds from"
                            f" {MIN_SECONDS:g} to {MAX_SECONDS:g}")
 
     from memprof.analysis.settings import parse_alloc_conf, unmodelled
     from memprof.collect.cuda.history import available as cuda_available
-    from memprof.collect.launch.endings import finishing
+    from memprof.collect.launch.children import made_cuda
+    from memprof.collect.launch.endings import child_signals, finishing
     from memprof.collect.launch.script import torchrun_rank
     from memprof.collect.recording import RunOptions
     from memprof.collect.session import recorder
+    from memprof.collect.virtual.need import NeedCheck
     from memprof.heap import frozen
     from memprof.report.background_plot import BackgroundPlot
     from memprof.report.run_folder import claim, file_names, run_folder
@@ -136,7 +152,7 @@ def run(
     if light and (device != "cpu" or virtual_gpu or profile):
         raise MemprofError("--light records host tensors: use it with --device cpu, without"
                            " --virtual-gpu or --profile (the GPU path is light already)")
-    card = virtual_card(virtual_gpu, device == "auto" and not use_cuda)
+    card = virtual_card(virtual_gpu, device == "auto" and not use_cuda, virtual_gpu_memory)
     if card is not None:
         use_cuda = False
     conf = alloc_conf if alloc_conf is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -151,7 +167,10 @@ def run(
     rank, world = torchrun_rank()
     folder = run_folder(target.stem, output, world).absolute()  # the script may chdir
     names = file_names(rank, world)
-    claim(folder, names, force)
+    if child:  # its folder is claimed once it has something to write
+        child_signals()
+    else:
+        claim(folder, names, force)
 
     # when and where it started (the script may chdir): suggest --verify re-runs it there
     launched = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cwd": os.getcwd()}
@@ -163,7 +182,8 @@ def run(
             nonlocal ended
             ended = True
             # a Ctrl-C or SIGTERM from now on only says so, a second abandons the report
-            after_script.enter_context(finishing())
+            if not child:  # (a child ignores them: child_signals)
+                after_script.enter_context(finishing())
             if timeline:
                 plot.start()  # matplotlib loads while the trace is analysed
 
@@ -173,9 +193,11 @@ def run(
                 " SPEC for another card, --device cpu to record host tensors instead)")
             record = recorder(use_cuda, light, card, announce)
             recording = record(target, RunOptions(settings, max_entries, steps, seconds,
-                                                  profile_path, script_ended))
-            if os.getpid() != parent:  # a child the script forked ran out its copy of it
-                raise typer.Exit(recording.outcome.exit_code)
+                                                  profile_path, script_ended, folder))
+            if os.getpid() != parent or (child and not made_cuda(recording.snapshot)):
+                raise typer.Exit(recording.outcome.exit_code)  # a fork's copy; an idle child
+            if child:
+                claim(folder, names, True)
             usable_streams()
             stopped = recording.outcome.stopped_by
             if stopped in ("steps", "seconds") and rank == 0:  # why the script's output ends
@@ -184,8 +206,10 @@ def run(
                 print(f"memprof: stopped after {what} as asked", file=sys.stderr)
             with frozen():  # the script has ended: its objects wait for the exit
                 try:
+                    needed = None if card is None or not need or child else NeedCheck(
+                        target, card, settings.conf, steps, folder)
                     code = _finish(recording, target, folder, names, settings.conf, launched,
-                                   top, limit, plot if timeline else None)
+                                   top, limit, plot if timeline else None, child, needed)
                 except (MemprofError, OSError) as exc:  # the run folder, not the script
                     code = _unwritten(exc, folder, recording.outcome.exit_code)
         except KeyboardInterrupt:
@@ -203,11 +227,14 @@ def run(
 
 def _finish(recording: Recording, target: Target, folder: Path, names: dict[str, str],
             conf: str, launched: dict[str, str], top: int, limit: int | None,
-            plot: BackgroundPlot | None) -> int:
+            plot: BackgroundPlot | None, quiet: bool = False,
+            need: NeedCheck | None = None) -> int:
     """Analyse a recording, write the run folder's files (the timeline by ``plot``; none
-    without one) and print the summary; return the exit code (the script's, or 1 when its
-    peak broke ``--max-peak``)."""
+    without one) and print the summary (not when ``quiet``); with ``need``, a run that ran
+    out of memory is run again to tell what it needs. Return the exit code (the script's,
+    or 1 when its peak broke ``--max-peak``)."""
     from memprof.analysis.explain import explain
+    from memprof.collect.launch.children import child_reports, reports_note
     from memprof.collect.launch.script import torchrun_rank
     from memprof.forked import Forked
     from memprof.heap import trim
@@ -219,6 +246,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     from memprof.trace.normalize import normalize
 
     rank, world = torchrun_rank()
+    speaks = rank == 0 and not quiet
     notes = Console(stderr=True, soft_wrap=True)
     meta = recording.snapshot["memprof"]
     files = [(recording.snapshot, folder / names["snapshot"])]
@@ -236,28 +264,42 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         trim()  # and the analysis's scratch memory
         if plot is not None and findings.devices:  # drawn by the plot's child meanwhile
             plot.send(timeline_panels(findings),
-                      timeline_title(findings, " ".join(_command(target)[2:])),
+                      timeline_title(findings, shlex.join(run_command(target)[2:])),
                       folder / names["timeline"])
-        facts = _facts(recording, meta, target, launched, conf)
+        needed = need(any(d.ooms for d in findings.devices), len(meta["steps"]),
+                      recording.seconds) if need is not None else None
+        facts = run_facts(recording, meta, target, launched, conf, needed)
         write_json(report_dict(findings, "run", facts), folder / names["report"])
+        children = child_reports(recording.children)  # those that made CUDA tensors
         if findings.devices:
-            if rank == 0:
+            if speaks:
                 for d in findings.devices:
                     render_run(d, facts, notes)
             if plot is not None:
                 plot.wait()
-        elif rank == 0 and recording.virtual_gpu:
+        failed_in = None  # a library of CUDA kernels the script died in, named
+        if recording.virtual_gpu:
+            from memprof.collect.virtual.extensions import extension_failure
+            failed_in = extension_failure(recording.outcome)
+        if speaks and failed_in:
+            notes.print(plain(failed_in))
+        elif speaks and recording.virtual_gpu and not children and not findings.devices:
             notes.print(plain(f"memprof: the script made no CUDA tensor, so the virtual"
                               f" {recording.virtual_gpu['spec']} held nothing; --device cpu"
                               " profiles its host tensors instead"))
+        if speaks and children and recording.virtual_gpu:
+            notes.print(plain(reports_note(children, recording.virtual_gpu["spec"],
+                                           bool(findings.devices))))
         writing.result()
-    if rank == 0:
+    if speaks:
         written = ", ".join(sorted(p.name for p in folder.iterdir() if p.name[0] != "."))
         notes.print()
         notes.print(plain(f"Run folder: {folder}/ ({written})"))
         shown = folder if world > 1 else folder / names["snapshot"]
+        if children and not findings.devices:  # the children's memory, not the parent's
+            shown = children[0] / names["snapshot"]
         notes.print(plain(f"Next: memprof explain {shown}"))
-    return _gate(findings, limit, recording.outcome.exit_code, notes)
+    return gate(findings, limit, recording.outcome.exit_code, notes)
 
 
 def _unwritten(exc: MemprofError | OSError, folder: Path, script_code: int) -> int:
@@ -288,80 +330,3 @@ def usable_streams() -> None:
             usable = False
         if not usable:
             setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - until the exit
-
-
-def _facts(recording: Recording, meta: dict[str, Any], target: Target,
-           launched: dict[str, str], conf: str) -> dict[str, Any]:
-    """The report's ``run`` entry: the command, how it ended, the model."""
-    import torch
-
-    from memprof.collect.launch.script import torchrun_rank
-    from memprof.report.console import NO_STEPS_RECORDED
-    from memprof.report.provenance import sign
-
-    outcome = recording.outcome
-    this_rank, world = torchrun_rank()
-    facts = {
-        "command": _command(target),
-        **launched,
-        "torch_version": torch.__version__,
-        "device": recording.device,
-        "predicted": recording.predicted,
-        "allocator_conf": conf,
-        "duration_s": round(recording.seconds, 3),
-        "exit": {"status": outcome.status, "code": outcome.exit_code, "error": outcome.error},
-        "stopped_by": outcome.stopped_by,
-        "optimizer_steps": len(meta["steps"]),
-        "no_steps_reason": None if meta["steps"] else NO_STEPS_RECORDED,
-        "rank": this_rank,
-        "world_size": world,
-        "cuda": recording.facts or None,
-        "model": meta.get("model") or None,
-        **({"virtual_gpu": recording.virtual_gpu} if recording.virtual_gpu else {}),
-    }
-    return {**facts, "signature": sign(facts)}
-
-
-def _command(target: Target) -> list[str]:
-    """The command line the report shows for a run of ``target``."""
-    return ["memprof", "run", *target.option, target.name, *target.args]
-
-
-def _max_peak(text: str | None) -> int | None:
-    from memprof.sizes import parse_size
-
-    try:
-        return None if text is None else parse_size(text)
-    except ValueError as exc:
-        raise MemprofError(f"--max-peak: {exc}") from None
-
-
-def _gate(findings: Findings, limit: int | None, exit_code: int, notes: Console) -> int:
-    """The exit code: the script's, or 1 when it succeeded but its peak broke --max-peak."""
-    from memprof.report.units import format_bytes
-
-    peak = max((_peak_reserved(d) for d in findings.devices), default=0)
-    if limit is None or peak <= limit:
-        return exit_code
-    notes.print(f"memprof: peak reserved {format_bytes(peak)} exceeds --max-peak"
-                f" {format_bytes(limit)}", markup=False, highlight=False)
-    return exit_code or 1
-
-
-def _peak_reserved(d: DeviceFindings) -> int:
-    """The peak reserved bytes, or what the run held before a ring buffer's kept events
-    where that was more (reserved where counted, else allocated: a lower bound)."""
-    earlier = d.peak_before_window()
-    return max([d.peak_reserved_bytes, *(v for v in (earlier or ())[:2] if v)])
-
-
-def virtual_card(spec: str | None, by_default: bool) -> Card | None:
-    """The card of ``--virtual-gpu SPEC``, the default card where there is no GPU, or None."""
-    from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
-
-    if spec is None:
-        return DEFAULT_CARD if by_default else None
-    try:
-        return parse_spec(spec)
-    except ValueError as exc:
-        raise MemprofError(f"--virtual-gpu: {exc}") from None

@@ -39,14 +39,16 @@ class Recording:
     oom_snapshot: dict[str, Any] | None = None
     virtual_gpu: dict[str, Any] | None = None  # the card a virtual-GPU run predicted for
     tally: Tally | None = None  # the predicted layout's replay, tallied as it was placed
+    children: list[Path] = field(default_factory=list)  # run folders of followed children
 
 
 @dataclass(frozen=True)
 class RunOptions:
     """How a recorder runs the script: the allocator settings a prediction assumes, the
     trace's ring buffer (``max_entries`` events), when to stop it (after ``steps``
-    optimizer steps or ``seconds``), torch.profiler's output (``profile_to``), and
-    ``ended``, called as soon as the script has ended, before memprof's work on the trace."""
+    optimizer steps or ``seconds``), torch.profiler's output (``profile_to``),
+    ``ended``, called as soon as the script has ended, before memprof's work on the trace,
+    and the run ``folder``, where child processes the virtual GPU follows write theirs."""
 
     settings: AllocatorSettings
     max_entries: int
@@ -54,6 +56,7 @@ class RunOptions:
     seconds: float | None = None
     profile_to: Path | None = None
     ended: Callable[[], None] | None = None
+    folder: Path | None = None
 
 
 Recorder = Callable[[Target, RunOptions], Recording]

@@ -195,6 +195,10 @@ RUN = record(
     virtual_gpu=optional(record(("spec",), spec=TEXT, device_name=TEXT, total_bytes=BYTES,
                                 capability=items(COUNT), context_bytes=BYTES,
                                 context_measured=FLAG)),
+    need=optional(record(card_bytes=BYTES, context_bytes=BYTES, allocated_bytes=BYTES,
+                         reserved_bytes=BYTES, total_bytes=BYTES, short_bytes=BYTES,
+                         unknown=TEXT, rerun=record(status=TEXT, optimizer_steps=COUNT,
+                                                    stopped_by=optional(TEXT)))),
     signature=optional(TEXT),
 )
 REPORT = record(

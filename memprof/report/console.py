@@ -58,6 +58,12 @@ def render(findings: Findings, console: Console) -> None:
         console.print(ranks_table(findings.devices))
 
 
+LOWER_BOUND = ("\nThe recording ran out of memory, so its peak is a lower bound: the run never got"
+               " past it, and a replay on a larger device fits only what ran. What it needs:"
+               " `memprof run --virtual-gpu CARD` re-runs it with the memory raised (run.need"
+               " in its report.json).")
+
+
 def ranks_table(devices: list[DeviceFindings]) -> Table:
     """Peak memory per rank of a distributed run, and how uneven it is."""
     t = Table(title="Ranks", title_justify="left", box=None, header_style="bold")
@@ -79,6 +85,8 @@ def _device(d: DeviceFindings) -> Panel:
     parts.extend(oom_group(o, o.live.allocated_bytes == d.peak_allocated_bytes,
                            d.categories_inferred) for o in d.ooms)
     parts.extend(more_ooms(d))
+    if d.ooms:
+        parts.append(Text(LOWER_BOUND, "bold"))
     parts.append(_replay(d.replay))
     title = f"device {d.device}" if d.rank is None else f"rank {d.rank}, device {d.device}"
     return Panel(Group(*parts), title=title, title_align="left")

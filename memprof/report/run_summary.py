@@ -57,6 +57,28 @@ def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None
         console.print(oom_group(oom, same, d.categories_inferred))
     for line in more_ooms(d):
         console.print(line)
+    if d.ooms and run.get("need"):
+        console.print(need_line(run["need"], (run.get("virtual_gpu") or {}).get("spec")))
+
+
+def need_line(need: dict[str, Any], card: str | None) -> Text:
+    """What a run that ran out of memory needs (``run.need``), or why it is unknown."""
+    if "unknown" in need:
+        return Text.assemble(("Needs: unknown", "bold"), f" ({visible(str(need['unknown']))});"
+                             " the peak above is a lower bound.")
+    rerun = need["rerun"]
+    how = f"{rerun['optimizer_steps']} optimizer steps" if rerun["optimizer_steps"] else \
+        "no optimizer step"
+    if rerun["stopped_by"] == "seconds":
+        how += ", stopped when its time ran out: it may need more later"
+    verdict = (f"{fb(need['short_bytes'])} short" if need["short_bytes"] else
+               "it fits when the memory is laid out as predicted")
+    return Text.assemble(
+        ("Needs ", "bold"), (fb(need["total_bytes"]), "bold"),
+        f" (predicted: {fb(need['reserved_bytes'])} reserved at the peak and"
+        f" {fb(need['context_bytes'])} of CUDA context) on this {fb(need['card_bytes'])}"
+        f" {visible(card or 'card')}: ", (verdict, "bold"),
+        f". From the same script run again with the card's memory raised ({how}).")
 
 
 def breakdown(d: DeviceFindings, run: dict[str, Any]) -> Table:

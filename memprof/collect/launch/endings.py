@@ -75,7 +75,21 @@ def _on_alarm(signum: int, frame: FrameType | None) -> None:
     raise Stop("seconds", 0)
 
 
-_HANDLERS = (_on_sigint, _on_terminating, _on_alarm)
+_CHILD = ["starting"]  # a followed child's script: "starting", "running", "ended"
+
+
+def _on_terminating_child(signum: int, frame: FrameType | None) -> None:
+    if _CHILD[0] == "starting":  # as Python's default: the process ends
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    elif _CHILD[0] == "running":
+        if _in_memprof(frame):
+            _redeliver(signum)
+            return
+        raise SystemExit(128 + signum)  # multiprocessing's child prints no traceback for it
+
+
+_HANDLERS = (_on_sigint, _on_terminating, _on_alarm, _on_terminating_child)
 # the handlers' frames: Python's own default handler is C and shows in no traceback
 HANDLER_CODES = frozenset(f.__code__ for f in _HANDLERS)
 
@@ -90,6 +104,26 @@ def _defaults_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_defaults_in_child)
+
+
+def child_signals() -> None:
+    """In a child process memprof follows, before its script: a terminating signal
+    (``Pool.terminate()``, ``mp.spawn`` stopping the other ranks) ends the process as
+    Python's default does until ``child_script`` runs, exits the script there as
+    ``sys.exit(128 + signal)`` does (multiprocessing's child prints nothing for it), and is
+    ignored after it, while the report is written. ``stops`` leaves them be."""
+    for s in _default(TERMINATING):
+        signal.signal(s, _on_terminating_child)
+
+
+@contextmanager
+def child_script() -> Iterator[None]:
+    """A followed child's script runs (``child_signals``)."""
+    _CHILD[0] = "running"
+    try:
+        yield
+    finally:
+        _CHILD[0] = "ended"
 
 
 @contextmanager

@@ -74,6 +74,8 @@ class Outcome:
     exit_code: int
     error: str | None = None
     stopped_by: str | None = None  # "steps", "seconds" or "SIGTERM" when memprof stopped it
+    # where an exception came from: the modules of its traceback's frames, outermost first
+    raised_in: tuple[str, ...] = ()
 
 
 def run(target: Target) -> Outcome:
@@ -102,8 +104,10 @@ def run(target: Target) -> Outcome:
         _print_user_traceback(hook)
         return Outcome("interrupted", 130, "KeyboardInterrupt")
     except BaseException as exc:  # the script's own failure, reported as Python would
+        raised_in = _modules(exc.__traceback__)
         _print_user_traceback(hook)
-        return Outcome("raised", 1, f"{type(exc).__name__}: {_text_of(exc)}")
+        return Outcome("raised", 1, f"{type(exc).__name__}: {_text_of(exc)}",
+                       raised_in=raised_in)
     finally:
         sys.argv = saved_argv
         if sys.path:  # memprof's own folders back, where the script removed them
@@ -176,6 +180,15 @@ def _text_of(exc: BaseException) -> str:
         return str(exc)
     except Exception:
         return "<exception str() failed>"
+
+
+def _modules(tb: types.TracebackType | None) -> tuple[str, ...]:
+    """The module of each frame of ``tb``, outermost first (names only: no frame is kept)."""
+    names = []
+    while tb is not None:
+        names.append(str(tb.tb_frame.f_globals.get("__name__", "")))
+        tb = tb.tb_next
+    return tuple(names)
 
 
 def _exit_outcome(code: object) -> Outcome:

@@ -149,3 +149,15 @@ def parse_spec(text: str) -> Card:
         capability=DEFAULT_CARD.capability,
         sm_count=DEFAULT_CARD.sm_count,
     )
+
+
+def card_args(card: Card) -> list[str]:
+    """The ``memprof run`` options that name ``card``: ``--virtual-gpu`` with its table name
+    (and ``--virtual-gpu-memory`` where its memory was changed), or with its size."""
+    try:
+        named = parse_spec(card.name)
+    except ValueError:  # "GPU with 24 GiB": a size
+        return ["--virtual-gpu", str(card.total_bytes)]
+    if named.total_bytes != card.total_bytes:
+        return ["--virtual-gpu", card.name, "--virtual-gpu-memory", str(card.total_bytes)]
+    return ["--virtual-gpu", card.name]

@@ -34,7 +34,9 @@ from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.checkpoints import Checkpoints
 from memprof.collect.virtual.cuda_api import HistoryWindow, cuda_api
 from memprof.collect.virtual.cuda_graphs import CudaGraphs
+from memprof.collect.virtual.data_parallel import data_parallel_patches
 from memprof.collect.virtual.distributed import nccl_refusal
+from memprof.collect.virtual.extensions import Extensions
 from memprof.collect.virtual.generators import VirtualGenerator
 from memprof.collect.virtual.host_state import HostState
 from memprof.collect.virtual.recorder import VirtualRecorder
@@ -60,6 +62,7 @@ class VirtualGpu:
         self._checkpoints = Checkpoints()
         self._sizes = LargestSizes()
         self._graphs = CudaGraphs(self.recorder.placer)
+        self._extensions = Extensions()  # bitsandbytes, and libraries' parameter classes
 
     def __enter__(self) -> VirtualGpu:
         patches = cuda_api(self.card, self.recorder, self.history)
@@ -72,6 +75,7 @@ class VirtualGpu:
         patches.update(self._checkpoints.patches())
         patches.update(self._graphs.patches())
         patches.update(nccl_refusal())
+        patches.update(data_parallel_patches())
         # on the tensor, not in the routing mode: DataLoader pins batches on a thread of its
         # own, where the (thread-local) mode does not reach
         patches[(torch.Tensor, "pin_memory")] = _pinned
@@ -90,6 +94,7 @@ class VirtualGpu:
         self._host_state.install()
         self._autocast = autocast.install()
         self._checkpoints.install()
+        self._extensions.install()
         self._sizes.__enter__()
         inherited(self._routing)  # threads the script starts make CUDA tensors virtual too
         self._routing.__enter__()
@@ -113,6 +118,7 @@ class VirtualGpu:
         self._routing.__exit__(None, None, None)
         self._sizes.__exit__()
         self._checkpoints.remove()
+        self._extensions.remove()
         if self._autocast is not None:
             self._autocast._destroy()
         autocast.clear_cache()

@@ -10,6 +10,7 @@ tensors stay real; ``scaled_dot_product_attention`` runs the card's kernel
 from __future__ import annotations
 
 import functools
+import threading
 import types as pytypes
 from collections.abc import Callable
 from typing import Any
@@ -22,16 +23,20 @@ from torch.overrides import (
 )
 from torch.utils._device import DeviceContext, _device_constructors
 
+from memprof.collect.virtual import values
 from memprof.collect.virtual.attention import sdpa
 from memprof.collect.virtual.cards import Card
+from memprof.collect.virtual.subclasses import SET_DATA, kind_of, set_data
 from memprof.collect.virtual.tensor import VirtualTensor, adopt, virtual_like
 
 _META = torch.device("meta")
+_CPU = torch.device("cpu")
 _SDPA = torch.nn.functional.scaled_dot_product_attention
 _DROPOUT = {torch.nn.functional.dropout: ("input", "p", "training", "inplace"),
             torch.dropout: ("input", "p", "train")}
 _FACTORIES = _device_constructors()
 _PARSE_TO = torch._C._nn._parse_to
+_WRAPPER = type(SET_DATA)
 
 
 def is_cuda_device(device: object) -> bool:
@@ -51,11 +56,14 @@ class CudaRouting(TorchFunctionMode):
     def __init__(self, card: Card) -> None:
         super().__init__()
         self.card = card
+        self._inside = threading.local()  # the Python functions running with the mode on
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is torch.device and len(args) == 1 and type(args[0]) is int and not kwargs:
             return torch.device("cuda", args[0])  # the current accelerator's: a CPU build has none
+        if type(func) is _WRAPPER and func == SET_DATA:  # t.data = v (a method-wrapper)
+            return set_data(*args)  # a host t given a virtual v becomes virtual
         if func is torch.Tensor.cuda:
             return _to_cuda(args[0], None)
         if func is torch.Tensor.to:
@@ -73,14 +81,30 @@ class CudaRouting(TorchFunctionMode):
             device = _default_device()  # set_default_device("cuda") adds it below this mode
         if is_cuda_device(device):
             out = func(*args, **{**kwargs, "device": _META})
-            return _on_device(out) if isinstance(out, torch.Tensor) else out
-        if type(func) is pytypes.FunctionType and not func.__qualname__.startswith("Tensor."):
+            if not isinstance(out, torch.Tensor):
+                return out
+            made = _on_device(out)
+            if made.value is None and values.small(out):  # a small one gets its values
+                hosted = values.twins(args, {**kwargs, "device": _CPU}, VirtualTensor)
+                real = values.compute(func, *hosted, seeded=True) if hosted else None
+                if isinstance(real, torch.Tensor) and real.shape == made.shape:
+                    made.value = real.detach()
+            return made
+        inside = self._inside.__dict__.setdefault("functions", set())
+        if type(func) is pytypes.FunctionType and func not in inside \
+                and not func.__qualname__.startswith("Tensor."):
             # a Python function (F.multi_head_attention_forward): PyTorch runs it with this
             # mode off, so its own torch calls (its SDPA, its factories) would escape the
             # card; run it with the mode on, one dispatch hop skipped. Tensor's Python
-            # methods call their C twin, which would dispatch here again.
-            with self:
-                return redispatch_function(func, types, args, kwargs)
+            # methods call their C twin, which would dispatch here again; and a function
+            # that reaches itself again (a library's wrapper around torch.nn.init.normal_,
+            # which dispatches under the wrapper's name) runs as PyTorch runs it.
+            inside.add(func)
+            try:
+                with self:
+                    return redispatch_function(func, types, args, kwargs)
+            finally:
+                inside.discard(func)
         return func(*args, **kwargs)
 
 
@@ -89,7 +113,7 @@ def _on_device(out: torch.Tensor) -> torch.Tensor:
     if type(out) is VirtualTensor:
         return out
     if isinstance(out, VirtualTensor):  # made from host-side virtual tensors
-        return adopt(VirtualTensor(out.elem, requires_grad=out.requires_grad))
+        return adopt(VirtualTensor(out.elem, requires_grad=out.requires_grad, value=out.value))
     return adopt(VirtualTensor(out))
 
 
@@ -115,7 +139,7 @@ def _default_device() -> torch.device | None:
 
 
 def _to_cuda(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if type(t) is VirtualTensor:
+    if kind_of(t) is VirtualTensor:  # a library's parameter class too (``subclasses.py``)
         return t if dtype is None or dtype == t.dtype else t.to(dtype)
     return virtual_like(t, dtype)
 
@@ -156,7 +180,7 @@ def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torc
         args, {k: v for k, v in kwargs.items() if k != "copy"})
     if device is None or device.type != "cuda":
         return func(t, *args, **kwargs)
-    if type(t) is not VirtualTensor:
+    if kind_of(t) is not VirtualTensor:
         return virtual_like(t, dtype)
     return func(t, device=_META, dtype=dtype or t.dtype, non_blocking=non_blocking,
                 copy=kwargs.get("copy", False),

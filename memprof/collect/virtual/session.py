@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from memprof.collect.cpu.recorder import CpuRecorder
+from memprof.collect.launch.children import FollowedChildren
 from memprof.collect.launch.script import Target
 from memprof.collect.recording import (
     Recording,
@@ -13,7 +15,7 @@ from memprof.collect.recording import (
     run_profiled,
     settings_dict,
 )
-from memprof.collect.virtual.cards import Card
+from memprof.collect.virtual.cards import Card, card_args
 from memprof.collect.virtual.gpu import VirtualGpu
 from memprof.heap import frozen, trim
 
@@ -24,19 +26,24 @@ def record(target: Target, options: RunOptions, card: Card, announce: str | None
 
     ``announce`` is printed on stderr when the script first makes a CUDA tensor; the trace
     keeps the last ``options.max_entries`` events (a ring buffer) and every allocation
-    still alive.
+    still alive. The script's spawn and forkserver children run on a virtual ``card`` of
+    their own, each recorded into ``options.folder`` (``children.py``).
     """
     settings = options.settings
     gpu = VirtualGpu(card, settings, settings_dict(settings), announce, options.max_entries)
     recorder = CpuRecorder(gpu.recorder)
-    with recorder, gpu:
+    children = None if options.folder is None else FollowedChildren(options.folder, [
+        *card_args(card), "--alloc-conf", settings.conf,
+        "--max-entries", str(options.max_entries)])
+    with recorder, gpu, children or contextlib.nullcontext():
         outcome, took = run_profiled(target, options)
     trim()  # what the script freed, before memprof's own work on the trace
     with frozen():
         snapshot, _ = predict_cuda_layout(recorder.snapshot(), settings,
                                           gpu.recorder.placer.layout())
     return Recording(snapshot, outcome, f"virtual {card.name}", True, took,
-                     virtual_gpu=virtual_gpu_facts(card))
+                     virtual_gpu=virtual_gpu_facts(card),
+                     children=children.folders if children is not None else [])
 
 
 def virtual_gpu_facts(card: Card) -> dict[str, Any]:

@@ -4,8 +4,9 @@ A :class:`VirtualTensor` wraps a ``meta`` tensor. To C++ (autograd, dispatch) it
 meta tensor, which every CPU-only build supports; to Python it says ``device cuda:0``
 and ``is_cuda``. Every operator on it runs on the meta tensor inside and wraps the
 result, so outputs, gradients and optimizer state are virtual CUDA tensors too.
-Values do not exist: ``.item()``, ``.tolist()``, printing and ``.numpy()`` give
-placeholders (zeros), announced once on stderr. A :class:`HostVirtualTensor` is the
+A small one keeps real values beside it (``values.py``); a large one has none, and its
+``.item()``, ``.tolist()``, printing and ``.numpy()`` give placeholders (zeros), announced
+once on stderr with the script's line. A :class:`HostVirtualTensor` is the
 same on the host side: a copy to the host, or a parameter of a model built on the CPU.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from memprof.collect.virtual import values
 from memprof.collect.virtual.autocast import AUTOCAST_CUDA
 from memprof.collect.virtual.kernel_memory import output_storage_bytes
 from memprof.collect.virtual.meta_cache import MetaCache
@@ -36,15 +38,35 @@ _EFFICIENT_ATTENTION = torch.ops.aten._scaled_dot_product_efficient_attention.de
 CUDNN_ATTENTION = torch.ops.aten._scaled_dot_product_cudnn_attention.default
 _run_meta = MetaCache()
 _told = False
+_PACKAGE = __file__.rsplit("memprof", 1)[0] + "memprof"
 
 
 def placeholder_notice() -> None:
-    """Say once that values read from virtual tensors are placeholders."""
+    """Say once that values read from virtual tensors are placeholders, and where."""
     global _told
     if not _told:
         _told = True
-        print("memprof: virtual GPU: CUDA tensors hold no values; .item(), .tolist(), printing"
-              " and .numpy() give zeros", file=sys.stderr)
+        where = _script_line()
+        print(f"memprof: virtual GPU: {where + ' reads' if where else 'the script reads'} the"
+              f" values of a CUDA tensor of more than {values.SMALL} elements, or one computed"
+              " from one: large tensors hold no values, so .item(), .tolist(), printing and"
+              " .numpy() give zeros there; sizes or branches that depend on them may differ"
+              " from the card's", file=sys.stderr)
+
+
+def _script_line() -> str | None:
+    """``file:line`` of the innermost frame of the script's own code, if any."""
+    from memprof.analysis.sites import is_library
+    from memprof.trace.model import Frame
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if not code.co_filename.startswith(_PACKAGE) and not is_library(
+                Frame(code.co_filename, frame.f_lineno or 0, code.co_name)):
+            return f"{code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
 
 
 def _placeholder(dtype: torch.dtype) -> bool | int | float:
@@ -58,17 +80,20 @@ class VirtualTensor(torch.Tensor):
     """A CUDA tensor without storage or compute (a ``meta`` tensor inside)."""
 
     elem: torch.Tensor
+    value: torch.Tensor | None  # a small tensor's real values, on the host (values.py)
     # called with every virtual tensor made outside an operator (factories, host copies)
     on_create: Callable[[VirtualTensor], None] | None = None
 
     @staticmethod
-    def __new__(cls, elem: torch.Tensor, requires_grad: bool | None = None) -> VirtualTensor:
+    def __new__(cls, elem: torch.Tensor, requires_grad: bool | None = None,
+                value: torch.Tensor | None = None) -> VirtualTensor:
         r = torch.Tensor._make_wrapper_subclass(
             cls, elem.shape, strides=elem.stride(), storage_offset=elem.storage_offset(),
             dtype=elem.dtype, layout=elem.layout, device="meta",
             requires_grad=elem.requires_grad if requires_grad is None else requires_grad,
             _extra_dispatch_keys=AUTOCAST_CUDA)  # CUDA autocast applies (autocast.py)
         r.elem = elem
+        r.value = value
         return r
 
     @property  # type: ignore[override]
@@ -92,8 +117,11 @@ class VirtualTensor(torch.Tensor):
         return self.elem.untyped_storage()
 
     def __repr__(self, **kwargs: Any) -> str:
-        placeholder_notice()
         grad = ", requires_grad=True" if self.requires_grad else ""
+        if self.value is not None:  # as torch prints a CUDA tensor
+            text = repr(self.value.detach())
+            return f"{text[:-1]}, device='cuda:0'{grad})"
+        placeholder_notice()
         return (f"tensor(<virtual>, device='cuda:0', size={tuple(self.shape)},"
                 f" dtype={self.dtype}{grad})")
 
@@ -103,9 +131,13 @@ class VirtualTensor(torch.Tensor):
         return repr(self)
 
     def item(self) -> bool | int | float:  # type: ignore[override]
+        if self.value is not None:
+            return self.value.item()
         return _placeholder(self.dtype)
 
     def tolist(self) -> Any:  # type: ignore[override]
+        if self.value is not None:
+            return self.value.tolist()
         value = _placeholder(self.dtype)
         out: Any = value
         for n in reversed(self.shape):
@@ -113,6 +145,8 @@ class VirtualTensor(torch.Tensor):
         return out
 
     def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        if self.value is not None:
+            return self.value.detach().numpy().copy()
         placeholder_notice()
         return torch.zeros(self.shape, dtype=self.dtype).numpy()
 
@@ -146,16 +180,30 @@ class VirtualTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func is _LOCAL_SCALAR:
-            return _placeholder(args[0].dtype)
+            value = args[0].value
+            return value.item() if value is not None else _placeholder(args[0].dtype)
+        hosted = values.twins(args, kwargs, VirtualTensor)  # None: an input has no values
         to_host = func is _TO_COPY and _is_host(kwargs.get("device"))
         if to_host:  # a copy to the host: a host tensor, still without storage
             kwargs = {**kwargs, "device": _META}
-        note_sized_by_values(func, args)
+        real = None
         try:
             out = _run_meta(func, _map(_unwrap, args),
                             {k: _map(_unwrap, v) for k, v in kwargs.items()})
-        except NotImplementedError:  # no meta kernel: one line that says why
-            raise unsupported_operator(func) from None
+        except NotImplementedError:  # no meta kernel: the values may size it, else one line
+            real = values.compute(func, *hosted) if hosted is not None else None
+            if real is None:
+                raise unsupported_operator(func) from None
+            out = values.meta_like(real)
+        else:
+            if hosted is not None and values.small(out):
+                real = values.compute(func, *hosted)
+                if real is not None and not getattr(func, "is_view", False) \
+                        and values.shapes(real) != values.shapes(out):
+                    out = values.meta_like(real)  # sized by its values: nonzero, a mask
+        if real is None:
+            note_sized_by_values(func, args)
+            values.forget_written(func, args, VirtualTensor)
         if getattr(func, "_opname", None) == "mse_loss":  # the scalar keeps the loss's storage
             out = _on_storage_of(out, output_storage_bytes(func, args))
         if func is CUDNN_ATTENTION and not args[4]:
@@ -169,8 +217,12 @@ class VirtualTensor(torch.Tensor):
             # as a view of a normal tensor is, in inference mode too (autograd then gives it
             # its base's version counter, which an inference tensor cannot hold)
             with torch.inference_mode(False):
-                return _map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
-        return _map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
+                result = _map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
+        else:
+            result = _map(lambda x: wrap(x) if _is_plain_meta(x) else x, out)
+        if real is not None:
+            values.attach(result, real)
+        return result
 
 
 class HostVirtualTensor(VirtualTensor):
@@ -260,7 +312,11 @@ def virtual_like(t: torch.Tensor, dtype: torch.dtype | None = None,
             elem = torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")
         else:
             elem = torch.empty_strided(t.shape, stride, dtype=dtype or t.dtype, device="meta")
-    return adopt(kind(elem, requires_grad=False))
+        source = t.value if isinstance(t, VirtualTensor) else t
+        value = None
+        if source is not None and source.device.type == "cpu" and t.numel() <= values.SMALL:
+            value = source.detach().to(dtype or t.dtype, copy=True)
+    return adopt(kind(elem, requires_grad=False, value=value))
 
 
 def adopt(t: VirtualTensor) -> VirtualTensor:

@@ -1,0 +1,71 @@
+"""What ``memprof run`` puts in report.json's ``run`` entry, and the exit code it gives."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from memprof.analysis.findings import DeviceFindings, Findings
+    from memprof.collect.launch.script import Target
+    from memprof.collect.recording import Recording
+
+
+def run_facts(recording: Recording, meta: dict[str, Any], target: Target,
+              launched: dict[str, str], conf: str, need: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    """The report's ``run`` entry: the command, how it ended, the model, what a run that
+    ran out of memory needs."""
+    import torch
+
+    from memprof.collect.launch.script import torchrun_rank
+    from memprof.report.console import NO_STEPS_RECORDED
+    from memprof.report.provenance import sign
+
+    outcome = recording.outcome
+    this_rank, world = torchrun_rank()
+    facts = {
+        "command": run_command(target),
+        **launched,
+        "torch_version": torch.__version__,
+        "device": recording.device,
+        "predicted": recording.predicted,
+        "allocator_conf": conf,
+        "duration_s": round(recording.seconds, 3),
+        "exit": {"status": outcome.status, "code": outcome.exit_code, "error": outcome.error},
+        "stopped_by": outcome.stopped_by,
+        "optimizer_steps": len(meta["steps"]),
+        "no_steps_reason": None if meta["steps"] else NO_STEPS_RECORDED,
+        "rank": this_rank,
+        "world_size": world,
+        "cuda": recording.facts or None,
+        "model": meta.get("model") or None,
+        **({"virtual_gpu": recording.virtual_gpu} if recording.virtual_gpu else {}),
+        **({"need": need} if need is not None else {}),
+    }
+    return {**facts, "signature": sign(facts)}
+
+
+def run_command(target: Target) -> list[str]:
+    """The command line the report shows for a run of ``target``."""
+    return ["memprof", "run", *target.option, target.name, *target.args]
+
+
+def gate(findings: Findings, limit: int | None, exit_code: int, notes: Console) -> int:
+    """The exit code: the script's, or 1 when it succeeded but its peak broke --max-peak."""
+    from memprof.report.units import format_bytes
+
+    peak = max((_peak_reserved(d) for d in findings.devices), default=0)
+    if limit is None or peak <= limit:
+        return exit_code
+    notes.print(f"memprof: peak reserved {format_bytes(peak)} exceeds --max-peak"
+                f" {format_bytes(limit)}", markup=False, highlight=False)
+    return exit_code or 1
+
+
+def _peak_reserved(d: DeviceFindings) -> int:
+    """The peak reserved bytes, or what the run held before a ring buffer's kept events
+    where that was more (reserved where counted, else allocated: a lower bound)."""
+    earlier = d.peak_before_window()
+    return max([d.peak_reserved_bytes, *(v for v in (earlier or ())[:2] if v)])

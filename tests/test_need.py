@@ -1,0 +1,72 @@
+"""A run that ran out of memory: what it needs, from its re-run with the card's memory raised.
+
+The same script runs out of memory on a virtual 2 GiB card and fits an H100 80GB of the
+same compute capability: the need ``memprof run`` predicts for the small card is the big
+card's peak, byte for byte, and ``suggest`` and ``explain`` take it from there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_run_cli import SAMPLES, Result, memprof_run, report, run_python
+
+from memprof.collect.virtual.cards import parse_spec
+
+SMALL = parse_spec("2GiB")
+# 3 x Linear(8192, 8192) with Adam: 0.75 GiB of weights, as much of gradients and twice of
+# moments; the 2 GiB card runs out while Adam makes its moments
+SCRIPT = [SAMPLES / "mlp_adam.py", "--hidden", "8192", "--layers", "3"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result, Path]:
+    where = tmp_path_factory.mktemp("need")
+    small = memprof_run(where, "-o", where / "small", "--virtual-gpu", "2GiB", "--steps", "3",
+                        "--no-timeline", *SCRIPT)
+    big = memprof_run(where, "-o", where / "big", "--virtual-gpu", "H100", "--steps", "3",
+                      "--no-timeline", "--no-need", *SCRIPT)
+    assert big.code == 0, big.stderr[-2000:]
+    return where / "small", small, where / "big"
+
+
+def test_the_need_is_the_peak_on_a_card_large_enough(runs: tuple[Path, Result, Path]) -> None:
+    small, result, big = runs
+    assert result.code == 1 and "OutOfMemoryError" in result.stderr
+    need = report(small)["run"]["need"]
+    peak = report(big)["devices"][0]["peak"]
+    assert (need["allocated_bytes"], need["reserved_bytes"]) == (
+        peak["allocated_bytes"], peak["reserved_bytes"])
+    assert need["total_bytes"] == peak["reserved_bytes"] + SMALL.context_bytes
+    assert need["short_bytes"] == need["total_bytes"] - SMALL.total_bytes > 0
+    assert need["rerun"] == {"status": "stopped", "optimizer_steps": 3, "stopped_by": "steps"}
+    assert "Needs " in result.stderr and "short" in result.stderr
+    assert (small / "need" / "report.json").is_file()
+
+
+def test_suggest_advises_from_the_rerun_and_never_calls_it_within_budget(
+        runs: tuple[Path, Result, Path]) -> None:
+    small, _, _ = runs
+    need = report(small)["run"]["need"]
+    advised = run_python(["-m", "memprof", "suggest", small, "--budget", "2GiB", "--json"],
+                         small.parent)
+    assert advised.code == 0, advised.stderr[-2000:]
+    data = json.loads(advised.stdout)
+    assert data["source"]["path"] == str(small / "need" / "report.json")
+    assert "Already within the budget" not in advised.stdout + advised.stderr
+    assert data["source"]["out_of_memory"].startswith("The run ran out of memory")
+    assert data["suggest"]["fits_now"] is False
+    assert data["suggest"]["current"]["reserved_bytes"] >= need["reserved_bytes"] * 0.99
+
+
+def test_explain_says_the_peak_is_a_lower_bound_and_what_the_run_needs(
+        runs: tuple[Path, Result, Path]) -> None:
+    small, _, _ = runs
+    explained = run_python(["-m", "memprof", "explain", small / "snapshot.pickle",
+                            "--device-memory", "100GB"], small.parent)
+    assert explained.code == 0, explained.stderr[-2000:]
+    text = " ".join(explained.stdout.split())
+    assert "its peak is a lower bound" in text
+    assert "Needs " in text and "short" in text
