@@ -256,3 +256,24 @@ def test_a_large_tensors_value_is_a_placeholder_named_by_the_line(
     assert big.sum().value is None  # computed from a tensor without values
     said = capsys.readouterr().err
     assert f"{__file__}:{line} reads the values" in said
+
+
+def _initialise(t: torch.Tensor) -> torch.Tensor:
+    """As ``torch.nn.init.normal_`` is written: it dispatches under its module's name for
+    itself, which a library has replaced by its wrapper (transformers' guarded init, over
+    memprof's own host-state one)."""
+    if torch.overrides.has_torch_function_variadic(t):
+        return torch.overrides.handle_torch_function(_guarded, (t,), t)
+    return t.add_(1)
+
+
+def _guarded(t: torch.Tensor) -> torch.Tensor:
+    """A wrapper that is a torch function of its own, calling the one it wraps."""
+    if torch.overrides.has_torch_function_variadic(t):
+        return torch.overrides.handle_torch_function(_guarded, (t,), t)
+    return _initialise(t)
+
+
+def test_a_wrapped_torch_function_that_dispatches_under_its_wrapper_ends(gpu: VirtualGpu
+                                                                         ) -> None:
+    assert _guarded(torch.zeros(3, device="cuda")).tolist() == [1.0, 1.0, 1.0]
