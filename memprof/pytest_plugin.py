@@ -47,21 +47,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     measurement.start()
     try:
         result = yield
-    except BaseException:
-        if measurement.made_cuda_tensors:
-            raise
-        result = None
     finally:
         report = measurement.stop()
-    if not measurement.made_cuda_tensors:
-        # host-only code saw placeholder values on the virtual GPU: run it again, for real,
-        # under the CPU recorder (its outcome is the test's)
-        measurement = Measurement(using="cpu")
-        measurement.start()
-        try:
-            result = item.runtest()
-        finally:
-            report = measurement.stop()
     used = max(metric.value(d) or 0 for d in report["devices"]) if report["devices"] else 0
     problems = _over_limit(used, limit, metric, measurement.backend)
     if item.config.getoption("memprof_fail_on_increase"):

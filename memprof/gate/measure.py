@@ -3,7 +3,8 @@
 The backend follows the machine: PyTorch's own allocator history where CUDA is
 available; else the virtual GPU, which runs CUDA code on storage-less tensors and predicts
 its memory; and memprof's CPU recorder with the caching allocator's predicted layout for
-code that makes no CUDA tensor.
+code that makes no CUDA tensor (recorded beside the virtual GPU, so that the code runs
+once either way).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Measurement:
         self._settings = parse_alloc_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
         self._history: cuda.CudaHistory | None = None
         self._recorder: Any = None
+        self._host: Any = None  # beside the virtual GPU: the code's host tensors
         self._gpu: Any = None
 
     def start(self) -> None:
@@ -46,8 +48,11 @@ class Measurement:
             from memprof.collect.recording import settings_dict
             from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
             from memprof.collect.virtual.gpu import VirtualGpu
+            from memprof.collect.virtual.recorder import HostStorages
 
             card = parse_spec(self.card) if self.card else DEFAULT_CARD
+            self._host = CpuRecorder(HostStorages())
+            self._host.start()
             self._gpu = VirtualGpu(card, self._settings, settings_dict(self._settings))
             self._recorder = CpuRecorder(self._gpu.recorder)
             self._recorder.start()
@@ -72,9 +77,16 @@ class Measurement:
             snapshot = self._history.stop()
         else:
             layout = None
+            recorder = self._recorder
             if self._gpu is not None:
                 self._gpu.__exit__(None, None, None)
-                layout = self._gpu.recorder.placer.layout()
-            self._recorder.stop()
-            snapshot, _ = predict_cuda_layout(self._recorder.snapshot(), self._settings, layout)
+                recorder.stop()
+                self._host.stop()
+                if self.made_cuda_tensors:
+                    layout = self._gpu.recorder.placer.layout()
+                else:  # host-only code: its host tensors, as the CPU recorder sees them
+                    self.backend, recorder = "cpu", self._host
+            else:
+                recorder.stop()
+            snapshot, _ = predict_cuda_layout(recorder.snapshot(), self._settings, layout)
         return report_dict(explain(normalize(snapshot), "", top=self.top), "check")

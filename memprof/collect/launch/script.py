@@ -216,6 +216,13 @@ def _print_user_traceback(hook_before: object) -> None:
             traceback.print_exception(exc_type, exc, tb)
     else:
         traceback.print_exception(exc_type, exc, tb)
+    # as Python keeps an uncaught exception until its exit: the script's objects in the
+    # failing frames (a model, an optimizer with half its state) live on, for the
+    # recorders' last look at them and for the run's end state
+    sys.last_type, sys.last_value = exc_type, exc
+    sys.last_traceback = exc.__traceback__ if exc is not None else None
+    if sys.version_info >= (3, 12):
+        sys.last_exc = exc  # type: ignore[attr-defined]
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:

@@ -41,14 +41,40 @@ class _UserStacks(StackCapture):
         return tuple(f for f in super()._build(frame) if not f[1].startswith(_COLLECT))
 
 
-class VirtualRecorder(StorageTracker):
+class _BesideTheVirtualGpu(StorageTracker):
+    """A storage tracker whose operators' callers and stacks skip memprof's frames (the
+    routing mode, another recorder's dispatch mode) between the user's code and torch."""
+
+    def __init__(self, max_entries: int | None = None) -> None:
+        super().__init__(max_entries)
+        self._stacks = _UserStacks()
+
+    def _op_frame(self) -> FrameType | None:
+        frame = sys._getframe(1)
+        while frame is not None and (frame.f_code.co_filename.startswith(_COLLECT)
+                                     or id(frame.f_code) in self._wrappers):
+            frame = frame.f_back
+        return frame
+
+
+class HostStorages(_BesideTheVirtualGpu):
+    """The host tensors' storages only, recorded beside the virtual GPU (for code that
+    turns out to make no CUDA tensor): its storage-less tensors are its own recorder's."""
+
+    def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
+        host = [t for t in tensors_in(out)
+                if not isinstance(t, VirtualTensor) and t.device.type == "cpu"]
+        if host:
+            super()._record(host, func, args, kwargs)
+
+
+class VirtualRecorder(_BesideTheVirtualGpu):
     """Records virtual CUDA storages and keeps the predicted allocator state current."""
 
     def __init__(self, card: Card, settings: AllocatorSettings, announce: str | None = None,
                  max_entries: int | None = None) -> None:
         super().__init__(max_entries)
         self._announce = announce  # said when the first CUDA tensor is made
-        self._stacks = _UserStacks()
         self.card = card
         self.placer = Placer(CachingAllocator(settings, limit=card.usable_bytes))
         self.allowed: int | None = None  # set_per_process_memory_fraction's cap
@@ -158,13 +184,6 @@ class VirtualRecorder(StorageTracker):
         """The frame that called the operator now dispatched (C++ callers have none)."""
         frame = sys._getframe(2)
         while frame is not None and id(frame.f_code) in self._wrappers:
-            frame = frame.f_back
-        return frame
-
-    def _op_frame(self) -> FrameType | None:
-        frame = sys._getframe(1)
-        while frame is not None and (frame.f_code.co_filename.startswith(_COLLECT)
-                                     or id(frame.f_code) in self._wrappers):
             frame = frame.f_back
         return frame
 
