@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_run_cli import SAMPLES, Result, memprof_run, report, run_python
+from test_run_cli import SAMPLES, Result, load_sample, memprof_run, report, run_python
 
 from memprof.collect.virtual.cards import parse_spec
 
@@ -70,3 +70,15 @@ def test_explain_says_the_peak_is_a_lower_bound_and_what_the_run_needs(
     text = " ".join(explained.stdout.split())
     assert "its peak is a lower bound" in text
     assert "Needs " in text and "short" in text
+
+
+def test_an_out_of_memory_in_the_first_step_keeps_the_model_and_its_half_built_state(
+        runs: tuple[Path, Result, Path]) -> None:
+    """The run dies while Adam makes its moments: the model facts are there, and the
+    moments made before the failure are optimizer state, not temporaries."""
+    small, _, _ = runs
+    data = report(small)
+    model = load_sample("mlp_adam").build_model(8192, 3)
+    assert data["run"]["model"]["parameters"] == sum(p.numel() for p in model.parameters())
+    held = data["devices"][0]["oom"]["live"]["categories"]
+    assert held["optimizer_state"] > 0 and held["temporaries"] == 0
