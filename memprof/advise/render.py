@@ -49,7 +49,7 @@ def render(advice: Advice, console: Console, measured: Measured | None = None,
     if measured is not None:
         console.print(_measured_note(advice, measured))
     if gap > 0:
-        console.print(_plan(advice))
+        console.print(_plan(advice, measured or {}))
     if batch is not None:
         largest = batch["largest"]
         console.print(Text(
@@ -112,11 +112,37 @@ def _measured_note(advice: Advice, measured: Measured) -> Text:
     return Text(text + ".", "dim")
 
 
-def _plan(advice: Advice) -> Group:
+def plan_fits(advice: Advice, measured: Measured) -> bool:
+    """Whether the plan fits the budget: by its measured peak where ``--verify`` measured
+    it (an estimate that fits is not a plan that fits), else by the estimate."""
+    peak = measured.get(PLAN)
+    if PLAN in measured:
+        return isinstance(peak, Peak) and peak.reserved <= advice.budget.bytes
+    return advice.plan.fits
+
+
+def fitting_alone(advice: Advice, measured: Measured) -> list[tuple[str, Peak]]:
+    """The remedies whose re-run alone measured within the budget, smallest peak first."""
+    titles = {r.remedy.key: r.remedy.title for r in advice.ranked}
+    found = [(titles[key], peak) for key, peak in measured.items() if key in titles
+             and isinstance(peak, Peak) and peak.reserved <= advice.budget.bytes]
+    return sorted(found, key=lambda pair: pair[1].reserved)
+
+
+def _plan(advice: Advice, measured: Measured) -> Group:
     plan, parts = advice.plan, []
-    if plan.fits:
+    if plan_fits(advice, measured):
         parts.append(Text(f"Plan: {len(plan.steps)} step(s) to fit {fb(advice.budget.bytes)}",
                           "bold"))
+    elif plan.fits:  # estimated to fit, measured over
+        over = measured[PLAN]
+        shown = f"measured at {fb(over.reserved)}" if isinstance(over, Peak) else \
+            "out of memory when measured" if over is None else "failed when measured"
+        alone = fitting_alone(advice, measured)
+        instead = (f" Measured to fit on its own: {alone[0][0]} ({fb(alone[0][1].reserved)})."
+                   if alone else "")
+        parts.append(Text(f"The plan was estimated to fit {fb(advice.budget.bytes)} but"
+                          f" {shown}: it does not fit.{instead} Its steps:", "bold red"))
     else:
         final = plan.final(advice.start)
         moment = final.moment
@@ -169,7 +195,7 @@ def as_json(advice: Advice, measured: Measured | None = None,
                 "verify_error": error(r.remedy.key),
             } for r in advice.ranked],
             "plan": {
-                "fits": advice.plan.fits,
+                "fits": plan_fits(advice, verified),  # by the measured peak where measured
                 "steps": [{"key": s.remedy.key, "peak": peak(s.peak)}
                           for s in advice.plan.steps],
                 "peak": peak(advice.plan.final(start)),

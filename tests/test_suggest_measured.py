@@ -1,0 +1,64 @@
+"""A plan fits when its measured peak fits: ``--verify``'s figures overrule the estimate.
+
+The advice is made on a real snapshot; the measurements are given as ``--verify`` records
+them (a peak per remedy, ``plan`` for the whole plan), so each case is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from conftest import fixture
+
+from memprof.advise.advice import Advice, advise
+from memprof.advise.budget import parse_budget
+from memprof.advise.peak import Peak
+from memprof.advise.render import fitting_alone, plan_fits
+from memprof.advise.source import load_run
+from memprof.advise.verify import BASELINE, PLAN
+
+
+@pytest.fixture(scope="module")
+def advice() -> Advice:
+    run = load_run(fixture("MAGMA27"))
+    # a budget the estimated plan reaches: half way between its final peak and the start
+    planned = advise(run, parse_budget("1GiB"))
+    start = planned.start
+    budget = (planned.plan.final(start).reserved + start.reserved) // 2
+    found = advise(run, parse_budget(str(budget)))
+    assert found.plan.fits and found.plan.steps and found.ranked
+    return found
+
+
+PAGE = 2 << 20  # a peak's reserved bytes are whole 2 MiB segments at least
+
+
+def _peak(reserved: int) -> Peak:
+    peak = Peak({"other": reserved}, {"other": reserved}, 0.0)
+    assert peak.reserved == reserved
+    return peak
+
+
+def _under(budget: int) -> int:
+    """The largest whole number of segments within ``budget``."""
+    return budget // PAGE * PAGE
+
+
+def test_an_estimated_plan_measured_over_the_budget_does_not_fit(advice: Advice) -> None:
+    budget = advice.budget.bytes
+    assert plan_fits(advice, {}) is True  # not measured: the estimate stands
+    assert plan_fits(advice, {PLAN: _peak(_under(budget))}) is True
+    assert plan_fits(advice, {PLAN: _peak(_under(budget) + PAGE)}) is False
+    assert plan_fits(advice, {PLAN: None}) is False  # ran out of memory when measured
+
+
+def test_a_remedy_measured_to_fit_alone_is_named(advice: Advice) -> None:
+    budget = advice.budget.bytes
+    first, second = (r.remedy.key for r in advice.ranked[:2])
+    over, fits = _under(budget) + PAGE, _under(budget)
+    measured = {BASELINE: _peak(2 * over), PLAN: _peak(over), first: _peak(over),
+                second: _peak(fits)}
+    (title, peak), = fitting_alone(advice, measured)
+    assert title == advice.ranked[1].remedy.title and peak.reserved == fits
+    assert fitting_alone(replace(advice, budget=parse_budget(str(fits - 1))), measured) == []
