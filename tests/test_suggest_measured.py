@@ -62,3 +62,22 @@ def test_a_remedy_measured_to_fit_alone_is_named(advice: Advice) -> None:
     (title, peak), = fitting_alone(advice, measured)
     assert title == advice.ranked[1].remedy.title and peak.reserved == fits
     assert fitting_alone(replace(advice, budget=parse_budget(str(fits - 1))), measured) == []
+
+
+def test_a_batch_flag_left_at_its_default_is_read_from_the_scripts_parser(tmp_path) -> None:
+    """``--batch-arg batch`` on a run whose command left ``--batch`` to argparse: its default,
+    read from the source (the script is not run to read it)."""
+    from test_run_cli import ROOT, SAMPLES
+
+    from memprof.advise.rerun import Rerun, parser_default
+    from memprof.errors import MemprofError
+
+    rerun = Rerun([str(SAMPLES / "mlp_adam.py"), "--hidden", "40"], ["--device", "cpu"], None,
+                  "", str(ROOT))
+    assert rerun.value_of("hidden") == 40  # given
+    assert rerun.value_of("batch") == 64  # add_argument("--batch", type=int, default=64)
+    with pytest.raises(MemprofError, match="nor does the script's argparse default"):
+        rerun.value_of("epochs")
+    broken = tmp_path / "broken.py"
+    broken.write_text("parser.add_argument('--batch', default=8\n")
+    assert parser_default(broken, "batch") is None

@@ -69,7 +69,7 @@ class Rerun:
         cwd = facts.get("cwd") if given is None else None
         rerun = cls(given or recorded, where, min(done, RERUN_STEPS) if done else None, conf,
                     cwd)
-        if rerun.target[0] != "-m" and not Path(cwd or ".", rerun.script).is_file():
+        if rerun.target[0] not in ("-m", "-c") and not Path(cwd or ".", rerun.script).is_file():
             where_from = f"from {cwd}, where it ran" if cwd else \
                 "from here (run memprof suggest in the folder memprof run ran in)"
             raise MemprofError(f"{run.path}: cannot find its script {rerun.script} {where_from};"
@@ -86,7 +86,7 @@ class Rerun:
         with tempfile.TemporaryDirectory(prefix="memprof-suggest-") as scratch:
             out = Path(scratch) / "run"
             argv = [sys.executable, "-m", "memprof", "run", "-o", str(out), "--no-timeline",
-                    *self.where,
+                    "--no-need", *self.where,
                     *(["--steps", str(self.steps)] if self.steps else []),
                     *(["--alloc-conf", conf] if conf else []), *target]
             env = {**os.environ, "MEMPROF_APPLY": json.dumps(apply or {})}
@@ -115,7 +115,20 @@ class Rerun:
 
     @property
     def script(self) -> str:
-        return self.target[1] if self.target[0] == "-m" else self.target[0]
+        return self.target[1] if self.target[0] in ("-m", "-c") else self.target[0]
+
+    def value_of(self, name: str) -> int:
+        """The integer value of the script's ``--name``: as the command gives it, else its
+        argparse default, read from the script's source (never run). MemprofError when
+        neither says."""
+        given = _value_of(self.args, name)
+        if given is None and self.target[0] not in ("-m", "-c"):
+            given = parser_default(Path(self.cwd or ".", self.script), name)
+        if given is None:
+            raise MemprofError(f"--batch-arg/--fit-batch {name}: the recorded command does not"
+                               f" set --{name.lstrip('-')} to a number, nor does the script's"
+                               " argparse default; run it with the flag given explicitly")
+        return given
 
     @property
     def args(self) -> list[str]:
@@ -194,14 +207,26 @@ def with_arg(args: list[str], name: str, value: int) -> list[str]:
     return [*out, flag, str(value)]
 
 
-def value_of(args: list[str], name: str) -> int:
-    """The integer value of ``--name`` in ``args`` (MemprofError when absent)."""
-    value = _value_of(args, name)
-    if value is None:
-        raise MemprofError(f"--batch-arg/--fit-batch {name}: the recorded command does not set"
-                           f" --{name.lstrip('-')} to a number; run it with the flag given"
-                           " explicitly")
-    return value
+def parser_default(script: Path, name: str) -> int | None:
+    """The integer ``default=`` of ``add_argument("--name", ...)`` in ``script``'s source
+    (``--name`` with dashes or underscores), read with ``ast``; None when there is none."""
+    import ast
+
+    flags = {f"--{name.lstrip('-')}", f"--{name.lstrip('-').replace('_', '-')}",
+             f"--{name.lstrip('-').replace('-', '_')}"}
+    try:
+        tree = ast.parse(script.read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "add_argument" \
+                and any(isinstance(a, ast.Constant) and a.value in flags for a in node.args):
+            for keyword in node.keywords:
+                value = getattr(keyword.value, "value", None)
+                if keyword.arg == "default" and type(value) is int and value > 0:
+                    return value
+    return None
 
 
 def _value_of(args: list[str], name: str) -> int | None:
@@ -229,7 +254,7 @@ def fit_batch(rerun: Rerun, name: str, budget: int,
             progress(value, peak)
         return peak is not None and peak.reserved <= budget
 
-    value = value_of(rerun.args, name)
+    value = rerun.value_of(name)
     if fits(value):
         low, high = value, None
         while high is None and low < MAX_BATCH:

@@ -14,7 +14,7 @@ from memprof.advise.advice import Advice
 from memprof.advise.peak import Peak
 from memprof.advise.plan import plan
 from memprof.advise.remedies import Remedy
-from memprof.advise.rerun import Rerun, value_of, with_arg
+from memprof.advise.rerun import Rerun, with_arg
 from memprof.errors import MemprofError
 
 BASELINE = "baseline"
@@ -44,7 +44,7 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
     its steps (``plan``). Returns the advice, its plan made again without the remedies
     that measured no saving (``Advice.excluded``), and the measurements."""
     if batch_arg is not None:
-        value_of(rerun.args, batch_arg)  # a flag the command lacks: one error, before any run
+        rerun.value_of(batch_arg)  # a flag neither set nor defaulted: one error, before any run
     measured: Measured = {}
     progress("the run as recorded")
     measured[BASELINE] = rerun.peak()
@@ -90,7 +90,7 @@ def _run(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None) -> Pe
         if "alloc_conf" in spec:
             conf = ",".join(filter(None, (rerun.alloc_conf, spec["alloc_conf"])))
         if "micro_batch" in spec and batch_arg is not None:
-            batch = value_of(rerun.args, batch_arg)
+            batch = rerun.value_of(batch_arg)
             args = with_arg(rerun.args, batch_arg, max(1, batch // spec["micro_batch"]))
     if "autocast" in apply and rerun.on_cpu:
         apply["autocast_device"] = "cpu"  # the recording's CPU tensors stand in for CUDA's
