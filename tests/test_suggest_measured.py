@@ -81,3 +81,19 @@ def test_a_batch_flag_left_at_its_default_is_read_from_the_scripts_parser(tmp_pa
     broken = tmp_path / "broken.py"
     broken.write_text("parser.add_argument('--batch', default=8\n")
     assert parser_default(broken, "batch") is None
+
+
+@pytest.mark.parametrize(("peak_event", "steps"), [(15, 3), (29, 3), (30, None), (55, None)])
+def test_a_rerun_reaches_the_phase_that_held_the_recorded_peak(peak_event: int,
+                                                               steps: int | None) -> None:
+    """Five recorded steps of ten events each: a peak in the first three is reached by a
+    three-step re-run; one after them (an evaluation after training) needs the whole run."""
+    from pathlib import Path
+
+    from memprof.advise.rerun import _steps_to_peak
+    from memprof.advise.source import Run
+
+    device = {"peak": {"event_index": peak_event},
+              "steps": [{"step": i + 1, "start": 10 * i, "end": 10 * i + 10} for i in range(5)]}
+    run = Run(Path("report.json"), {"run": {"optimizer_steps": 5}}, device, None, False)
+    assert _steps_to_peak(run) == steps

@@ -65,10 +65,8 @@ class Rerun:
         conf = facts.get("allocator_conf") or ""
         if _bad_conf(conf):
             raise MemprofError(f"{run.path}: run.allocator_conf is not allocator settings")
-        done = facts.get("optimizer_steps") or 0
         cwd = facts.get("cwd") if given is None else None
-        rerun = cls(given or recorded, where, min(done, RERUN_STEPS) if done else None, conf,
-                    cwd)
+        rerun = cls(given or recorded, where, _steps_to_peak(run), conf, cwd)
         if rerun.target[0] not in ("-m", "-c") and not Path(cwd or ".", rerun.script).is_file():
             where_from = f"from {cwd}, where it ran" if cwd else \
                 "from here (run memprof suggest in the folder memprof run ran in)"
@@ -133,6 +131,24 @@ class Rerun:
     @property
     def args(self) -> list[str]:
         return self.target[self.target.index(self.script) + 1:]
+
+
+def _steps_to_peak(run: Run) -> int | None:
+    """The optimizer steps a re-run needs to reach the phase that held the recorded peak:
+    ``RERUN_STEPS`` where the peak came in them, else all of the run (a peak in an
+    evaluation after training, say: None, no ``--steps``)."""
+    done = run.facts.get("optimizer_steps") or 0
+    if not done:
+        return None
+    steps = run.device.get("steps") or []
+    if len(steps) < RERUN_STEPS and done >= RERUN_STEPS:
+        return RERUN_STEPS  # a ring buffer kept fewer: the peak is among the last steps seen
+    ends = [s.get("end") for s in steps[:RERUN_STEPS]]
+    peak = (run.device.get("peak") or {}).get("event_index")
+    if done > RERUN_STEPS and isinstance(peak, int) and ends and isinstance(ends[-1], int) \
+            and peak >= ends[-1]:
+        return None
+    return min(done, RERUN_STEPS)
 
 
 def given_command(text: str) -> list[str]:
