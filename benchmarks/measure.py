@@ -28,7 +28,11 @@ def run(argv: list[str], cwd: Path | None = None, repeat: int = 1,
     This machine's timings vary by tens of percent from run to run; medians of three
     make a ratio worth quoting.
     """
-    runs = [_run_once(argv, cwd, stdout) for _ in range(repeat)]
+    return summarise([_run_once(argv, cwd, stdout) for _ in range(repeat)])
+
+
+def summarise(runs: list[Run]) -> Run:
+    """The median wall and CPU seconds of ``runs``, and their largest peak RSS."""
     return Run(statistics.median(r.seconds for r in runs), max(r.peak_rss_mib for r in runs),
                statistics.median(r.cpu_seconds for r in runs))
 

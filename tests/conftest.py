@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +36,53 @@ def _own_config_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
     """memprof's secret (``report/provenance.py``) in a folder of the suite's own, for the
     suite's processes and the ones they start, never the user's."""
     os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _bytecode_kept(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Under PYTHONDONTWRITEBYTECODE each of the suite's few hundred processes would compile
+    memprof's modules again (about 0.3 s each): they keep the bytecode in a folder of the
+    suite's own instead (PYTHONPYCACHEPREFIX), and the checkout stays as it is."""
+    if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
+        del os.environ["PYTHONDONTWRITEBYTECODE"]
+        os.environ["PYTHONPYCACHEPREFIX"] = str(tmp_path_factory.mktemp("bytecode"))
+
+
+WORKERS = max(2, min(6, os.cpu_count() or 2))  # processes a module's jobs run at once
+
+
+class Jobs(dict[str, Callable[[Path], Any]]):
+    """A test module's processes, started together so that they share the cores instead of
+    taking turns: ``@jobs`` registers a function of an empty folder of its own, which runs
+    its processes and returns what its test reads; ``yield from jobs.started(...)`` in a
+    module fixture starts every job on a pool, in the order registered (the longest first),
+    and gives each one's Future by name. A test reads ``runs[name].result()``: the job's
+    value, or its exception (a failed assertion in the job fails the test that reads it).
+    A job may wait for one registered before it (``jobs.result(name)``): the pool takes
+    them in order, so that one has started; never for a later one."""
+
+    futures: dict[str, Future[Any]]
+
+    def __call__(self, fn: Callable[[Path], Any]) -> Callable[[Path], Any]:
+        assert fn.__name__ not in self, fn.__name__
+        self[fn.__name__] = fn
+        return fn
+
+    def started(self, tmp_path_factory: pytest.TempPathFactory, name: str,
+                workers: int = WORKERS) -> Iterator[dict[str, Future[Any]]]:
+        base = tmp_path_factory.mktemp(name)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            self.futures = {}
+            for job, fn in self.items():
+                (base / job).mkdir()
+                self.futures[job] = pool.submit(fn, base / job)
+            yield self.futures
+            for future in self.futures.values():
+                future.cancel()
+
+    def result(self, name: str) -> Any:
+        """The value of the job ``name`` (in a job: one registered before it)."""
+        return self.futures[name].result()
 
 
 def fixture_files() -> list[Path]:

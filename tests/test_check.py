@@ -1,15 +1,20 @@
 """``memprof check`` and ``memprof run --max-peak`` as CI runs them: real runs of the samples,
-the real command line, its exit codes and outputs."""
+the real command line, its exit codes and outputs (``check`` by memprof's entry point in this
+process: it starts none of its own)."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 from xml.etree import ElementTree
 
 import pytest
+from conftest import Jobs
 
 from tests.test_run_cli import (
     ROOT,
@@ -18,6 +23,7 @@ from tests.test_run_cli import (
     block,
     flags,
     load_sample,
+    memprof_here,
     memprof_run,
     report,
     run_python,
@@ -29,19 +35,55 @@ WIDER = {**SMALL, "hidden": 1280}  # the change a pull request makes: a wider mo
 
 
 def check(cwd: Path, *args: str | Path) -> Result:
-    return run_python(["-m", "memprof", "check", *args], cwd)
+    return memprof_here(cwd, "check", *args)
+
+
+# --- the runs: started together on first use, each in a folder of its own ----------------
+
+jobs = Jobs()
+
+
+def _recorded(where: Path, size: dict[str, int]) -> Path:
+    result = memprof_run(where, "-o", where / "out", SAMPLES / "mlp_adam.py", *flags(size))
+    assert result.code == 0, result.stderr
+    return where / "out"
+
+
+@jobs
+def base(where: Path) -> Path:
+    return _recorded(where, SMALL)
+
+
+@jobs
+def again(where: Path) -> Path:
+    return _recorded(where, SMALL)
+
+
+@jobs
+def wider(where: Path) -> Path:
+    return _recorded(where, WIDER)
+
+
+@jobs
+def max_peak(where: Path) -> tuple[Result, int, Result, Result, Path]:
+    """``--max-peak`` under the run's peak, at it, and not a size."""
+    args = [SAMPLES / "mlp_adam.py", *flags(SMALL)]
+    over = memprof_run(where, "-o", where / "over", "--max-peak", "1MiB", *args)
+    peak = report(where / "over")["devices"][0]["peak"]["reserved_bytes"]
+    under = memprof_run(where, "-o", where / "under", "--max-peak", str(peak), *args)
+    bad = memprof_run(where, "--max-peak", "lots", *args)
+    return over, peak, under, bad, where
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
+    yield from jobs.started(tmp_path_factory, "check")
+
+
+@pytest.fixture(scope="module")
+def runs(processes: dict[str, Future[Any]]) -> dict[str, Path]:
     """The small MLP twice (a rerun) and the wider one."""
-    tmp = tmp_path_factory.mktemp("check")
-    folders = {}
-    for name, size in (("base", SMALL), ("again", SMALL), ("wider", WIDER)):
-        folders[name] = tmp / name
-        result = memprof_run(tmp, "-o", folders[name], SAMPLES / "mlp_adam.py", *flags(size))
-        assert result.code == 0, result.stderr
-    return folders
+    return {name: processes[name].result() for name in ("base", "again", "wider")}
 
 
 def param_blocks(size: dict[str, int]) -> int:
@@ -193,7 +235,7 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         "bad increase": (base, "-b", base, "--max-increase", "lots"),
         "negative increase": (base, "-b", base, "--max-increase", "-5%"),
         "bad metric": (base, "-b", base, "--metric", "category:weights"),
-        "bad format": (base, "-b", base, "--format", "html"),
+        "bad format": (base, "-b", base, "--format", "pdf"),
         "absent device": (base, "-b", base, "--device", "7"),
     }
     for what, args in cases.items():
@@ -270,19 +312,15 @@ def test_a_rank_that_is_not_a_rank_is_refused(runs, tmp_path, rank):
     assert "devices[0].rank" in line and "\x1b" not in line
 
 
-def test_run_max_peak_fails_the_run_after_reporting(tmp_path):
-    args = [SAMPLES / "mlp_adam.py", *flags(SMALL)]
-    over = memprof_run(tmp_path, "-o", tmp_path / "over", "--max-peak", "1MiB", *args)
-    peak = report(tmp_path / "over")["devices"][0]["peak"]["reserved_bytes"]
+def test_run_max_peak_fails_the_run_after_reporting(processes):
+    over, peak, under, bad, where = processes["max_peak"].result()
     assert peak > 1 << 20
     assert over.code == 1, over.stderr
     assert "completed, exit code 0" in over.stderr
     assert over.stderr.strip().splitlines()[-1].startswith("memprof: peak reserved")
-    under = memprof_run(tmp_path, "-o", tmp_path / "under", "--max-peak", str(peak), *args)
     assert under.code == 0, under.stderr
-    bad = memprof_run(tmp_path, "--max-peak", "lots", *args)
     assert bad.code == 2 and bad.stderr.startswith("memprof: error: --max-peak")
-    assert not (tmp_path / "reports").exists()  # refused before the script ran
+    assert not (where / "reports").exists()  # refused before the script ran
 
 
 def test_help_teaches_the_gate():
@@ -291,3 +329,26 @@ def test_help_teaches_the_gate():
     for option in ("--baseline", "--max-increase", "--metric", "--update-baseline", "--format",
                    "--allow-different"):
         assert option in result.stdout
+
+
+def test_the_html_format_puts_both_runs_side_by_side(runs, tmp_path):
+    from typer.testing import CliRunner
+
+    from memprof.cli.app import app
+    from tests.test_html_report import page_data
+
+    page, alone = tmp_path / "check.html", edited(runs["base"], tmp_path, "alone", lambda d: d)
+    args = ["check", str(runs["wider"]), "-b", str(runs["base"])]
+    assert CliRunner().invoke(app, [*args, "--format", "html", "-o", str(page)]).exit_code == 1
+    as_json = CliRunner().invoke(app, [*args, "--format", "json"])
+    data = page_data(page)
+    assert data["verdict"] == json.loads(as_json.output)["check"]
+    assert [r["role"] for r in data["runs"]] == ["baseline", "current"]
+    for run, name in zip(data["runs"], ("base", "wider"), strict=True):
+        assert run["devices"][0]["report"] == report(runs[name])["devices"][0]
+        timeline = page_data(runs[name] / "report.html")["devices"][0]["timeline"]
+        assert run["devices"][0]["timeline"] == timeline
+    # a baseline kept as a report.json alone has no timeline: the page says so
+    args[-1] = str(alone)
+    assert CliRunner().invoke(app, [*args, "--format", "html", "-o", str(page)]).exit_code == 1
+    assert page_data(page)["runs"][0]["devices"][0]["timeline"] is None

@@ -8,9 +8,12 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
+from conftest import WORKERS
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -62,15 +65,33 @@ def test_no_path_of_the_machine_it_was_written_on(page: Path) -> None:
 
 def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
     """The ``$ memprof ...`` lines of the README's examples, in order, in a fresh folder
-    beside the samples: each exits as the README says (0 unless ``# exit N``)."""
+    beside the samples: each exits as the README says (0 unless ``# exit N``). A command
+    starts once the commands before it that write a run folder it names (``-o reports/X``)
+    have ended; the others run beside it."""
     commands = [m.groups() for line in _code(ROOT / "README.md")
                 if (m := COMMAND.match(line))]
     assert len(commands) >= 6, commands
     (tmp_path / "sample_scripts").symlink_to(ROOT / "sample_scripts")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for command, code in commands:
-        argv = [sys.executable, "-m", *shlex.split(command)]
-        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300, check=False)
-        assert done.returncode == int(code or 0), (command, done.stderr[-2000:])
-        assert "Traceback" not in done.stderr or "OutOfMemoryError" in done.stderr, command
+
+    def run(words: list[str], after: list[Future[Any]]) -> subprocess.CompletedProcess[str]:
+        for earlier in after:
+            earlier.exception()  # ended, however
+        return subprocess.run([sys.executable, "-m", *words], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300, check=False)
+
+    writes: dict[str, Future[Any]] = {}  # run folder: the command that writes it
+    started = []
+    # the pool takes commands in order: a command waits only for ones that have started
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        for command, code in commands:
+            words = shlex.split(command)
+            after = [f for folder, f in writes.items()
+                     if any(w == folder or w.startswith(f"{folder}/") for w in words)]
+            started.append((command, code, pool.submit(run, words, after)))
+            if "-o" in words:
+                writes[words[words.index("-o") + 1]] = started[-1][2]
+        for command, code, future in started:
+            done = future.result()
+            assert done.returncode == int(code or 0), (command, done.stderr[-2000:])
+            assert "Traceback" not in done.stderr or "OutOfMemoryError" in done.stderr, command

@@ -47,8 +47,8 @@ def test_every_sample_was_recorded():
     samples = {p.stem for p in (GPU_FIXTURES.parent.parent.parent / "sample_scripts").glob("*.py")}
     recorded = {run.removesuffix("_tiny").removesuffix("_real").removesuffix("_real_bf16")
                 for run in RUNS}
-    # ddp_gloo needs two processes (torchrun); common.py is the samples' shared code
-    assert samples - {"ddp_gloo", "common", "transformer_lm"} <= recorded
+    # the distributed ones need several processes; common.py is the samples' shared code
+    assert samples - {"ddp_gloo", "ddp", "fsdp2", "common", "transformer_lm"} <= recorded
     assert {"transformer_tiny", "transformer_real", "transformer_real_bf16"} <= set(RUNS)
 
 

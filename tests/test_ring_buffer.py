@@ -7,12 +7,14 @@ same run with a buffer large enough for every event does, and keep the script's 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import Jobs
 
 from memprof.collect.cpu.recorder import CpuRecorder
 from memprof.collect.cpu.storages import StorageTracker
@@ -40,21 +42,43 @@ ALL = 1_000_000
 MODEL_BYTES = block(64 * 64 * F32) + block(64 * F32)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Any]:
-    where = tmp_path_factory.mktemp("ring")
-    (where / "train.py").write_text(SCRIPT)
-    cases = {("cpu", SMALL): ["--device", "cpu"], ("cpu", ALL): ["--device", "cpu"],
-             ("cuda", SMALL): ["--virtual-gpu", "H100"], ("cuda", ALL): ["--virtual-gpu", "H100"]}
+# --- the runs: every test's, started together on first use ------------------------------
 
-    def one(case: tuple[str, int]) -> tuple[Any, dict[str, Any]]:
-        out = f"{case[0]}-{case[1]}"
-        result = memprof_run(where, *cases[case], "--max-entries", str(case[1]), "-o", out,
-                             "train.py", case[0])
+jobs = Jobs()
+WHERE = {"cpu": ["--device", "cpu"], "cuda": ["--virtual-gpu", "H100"]}
+
+
+def _ring(device: str, entries: int) -> None:
+    def one(where: Path) -> tuple[Any, dict[str, Any]]:
+        (where / "train.py").write_text(SCRIPT)
+        out = f"{device}-{entries}"
+        result = memprof_run(where, *WHERE[device], "--max-entries", str(entries), "-o", out,
+                             "train.py", device)
         return result, report(Path(where, out))
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(cases, pool.map(one, cases), strict=True))
+    one.__name__ = f"{device}-{entries}"
+    jobs(one)
+
+
+def _early_peak(device: str) -> None:
+    def one(where: Path) -> tuple[Any, Path]:
+        (where / "early.py").write_text(EARLY_PEAK)
+        return memprof_run(where, *WHERE[device], "--max-entries", str(SMALL), "--max-peak",
+                           "8MiB", "-o", "out", "early.py", device), where
+
+    one.__name__ = f"early-{device}"
+    jobs(one)
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
+    yield from jobs.started(tmp_path_factory, "ring")
+
+
+@pytest.fixture(scope="module")
+def runs(processes: dict[str, Future[Any]]) -> dict[tuple[str, int], Any]:
+    return {(device, entries): processes[f"{device}-{entries}"].result()
+            for device in WHERE for entries in (SMALL, ALL)}
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -110,14 +134,17 @@ for _ in range(1000):  # then enough small events to push it out of the ring buf
 """
 
 
+for _device in WHERE:
+    _ring(_device, SMALL)
+    _ring(_device, ALL)
+    _early_peak(_device)
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_a_peak_the_ring_buffer_dropped_is_still_reported_and_gated(tmp_path: Path,
-                                                                    device: str) -> None:
-    (tmp_path / "early.py").write_text(EARLY_PEAK)
-    where = ["--device", "cpu"] if device == "cpu" else ["--virtual-gpu", "H100"]
-    result = memprof_run(tmp_path, *where, "--max-entries", str(SMALL), "--max-peak", "8MiB",
-                         "-o", "out", "early.py", device)
-    d = report(tmp_path / "out")["devices"][0]
+def test_a_peak_the_ring_buffer_dropped_is_still_reported_and_gated(
+        processes: dict[str, Future[Any]], device: str) -> None:
+    result, where = processes[f"early-{device}"].result()
+    d = report(where / "out")["devices"][0]
     assert d["peak"]["allocated_bytes"] < 1 << 20  # the kept events' peak
     run_peak = d["window"]["run_peak"]
     assert run_peak["requested_bytes"] == 16 << 20

@@ -17,8 +17,10 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+import traceback
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Jobs
 
 import memprof
 from memprof.analysis.steps import MIN_STEPS
@@ -80,6 +83,47 @@ def run_python(args: Sequence[str | Path], cwd: Path, env: dict[str, str] | None
 def memprof_run(cwd: Path, *args: str | Path) -> Result:
     """``memprof run ARGS`` (through ``python -m memprof``)."""
     return run_python(["-m", "memprof", "run", *args], cwd)
+
+
+def memprof_here(cwd: Path, *args: str | Path) -> Result:
+    """``python -m memprof ARGS`` in ``cwd`` as ``run_python`` runs it, by the entry point
+    (``main``) in this process: the exit code, stdout and stderr, without starting an
+    interpreter and torch. For ``check`` and ``suggest``, which run nothing of the user's
+    in their own process: a test that reads what one says, and its exit code, needs no
+    process of its own (``suggest --verify`` starts its re-runs as it would, with the same
+    environment). All of ``main`` runs but the fork that puts a time limit on reading a
+    snapshot, a process's own (``OWN_PROCESS``: pytest's would fork). From pytest's main
+    thread only: it sets the process's folder and streams."""
+    from click.testing import CliRunner
+
+    import memprof.cli.app as cli
+
+    words = [str(a) for a in args]
+    assert words[0] in ("check", "suggest"), words
+    assert threading.current_thread() is threading.main_thread()
+    env = {"OMP_NUM_THREADS": "1", "PYTORCH_CUDA_ALLOC_CONF": None, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    saved = os.getcwd(), sys.argv, cli.OWN_PROCESS
+    with CliRunner().isolation(env=env) as (out, err, _):
+        os.chdir(cwd)
+        sys.argv, cli.OWN_PROCESS = ["memprof", *words], {}
+        try:
+            cli.main()
+            code = 0
+        except SystemExit as exc:  # as python exits with it
+            code = exc.code
+            if code is not None and not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+        except Exception:  # as python prints an uncaught one
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.chdir(saved[0])
+            sys.argv, cli.OWN_PROCESS = saved[1:]
+    return Result(code or 0, out.getvalue().decode(), err.getvalue().decode())
 
 
 def block(nbytes: int) -> int:
@@ -141,14 +185,8 @@ inner("DEVICE")
 
 # --- the runs: each job gets an empty folder and returns what its tests read -------------
 
-Job = Callable[[Path], Any]
-JOBS: dict[str, Job] = {}
-
-
-def job(fn: Job) -> Job:
-    """Register ``fn`` as a run the ``runs`` fixture starts."""
-    JOBS[fn.__name__] = fn
-    return fn
+JOBS = Jobs()
+job = JOBS  # ``@job``: a run the ``runs`` fixture starts
 
 
 def _sample(where: Path, script: str, *args: str, options: Sequence[str] = ()
@@ -182,6 +220,14 @@ def mlp_light(where: Path) -> tuple[Result, Path]:
 @job
 def leak(where: Path) -> tuple[Result, Path]:
     return _sample(where, "leak.py", *flags(LEAK))
+
+
+@job
+def mlp_explained(where: Path) -> Result:
+    """``memprof explain`` on the ``mlp`` run's snapshot."""
+    out = JOBS.result("mlp")[1]
+    return run_python(["-m", "memprof", "explain", "--json", "-o", "-",
+                       out / "snapshot.pickle"], out)
 
 
 @job
@@ -222,17 +268,33 @@ def raises(where: Path) -> tuple[Result, Path, Result]:
             run_python(["boom.py"], where))
 
 
-@job
-def raises_in_operator(where: Path) -> dict[str, Result]:
+def _bad_matmul(where: Path, device: str) -> str:
     # not cpu.py and cuda.py: the script's folder comes first on sys.path, and a library
     # that tries `import cuda` would run it
-    (where / "on_cpu.py").write_text(BAD_MATMUL.replace("DEVICE", "cpu"))
-    (where / "on_cuda.py").write_text(BAD_MATMUL.replace("DEVICE", "cuda"))
-    return {"python": run_python(["on_cpu.py"], where),
-            "cpu": memprof_run(where, "--device", "cpu", "-o", where / "a", "on_cpu.py"),
-            "virtual": memprof_run(where, "--virtual-gpu", "T4", "-o", where / "b",
-                                   "on_cpu.py"),
-            "cuda": memprof_run(where, "--virtual-gpu", "T4", "-o", where / "c", "on_cuda.py")}
+    (where / f"on_{device}.py").write_text(BAD_MATMUL.replace("DEVICE", device))
+    return f"on_{device}.py"
+
+
+@job
+def operator_cpu(where: Path) -> Result:
+    return memprof_run(where, "--device", "cpu", "-o", where / "a", _bad_matmul(where, "cpu"))
+
+
+@job
+def operator_virtual(where: Path) -> Result:
+    return memprof_run(where, "--virtual-gpu", "T4", "-o", where / "b",
+                       _bad_matmul(where, "cpu"))
+
+
+@job
+def operator_cuda(where: Path) -> Result:
+    return memprof_run(where, "--virtual-gpu", "T4", "-o", where / "c",
+                       _bad_matmul(where, "cuda"))
+
+
+@job
+def operator_python(where: Path) -> Result:
+    return run_python([_bad_matmul(where, "cpu")], where)
 
 
 def _package(where: Path) -> tuple[Path, dict[str, str]]:
@@ -285,18 +347,28 @@ def overwrite(where: Path) -> tuple[Result, Result, dict[str, str], Path]:
     return refused, memprof_run(where, "-o", out, "--force", "hello.py"), before, out
 
 
+LIGHT_ELSEWHERE = [[], ["--device", "auto"], ["--device", "cpu", "--profile"],
+                   ["--device", "cpu", "--virtual-gpu", "T4"]]
+
+
+def _light_elsewhere(number: int) -> None:
+    def refused(where: Path) -> tuple[Result, Path]:
+        (where / "train.py").write_text("raise SystemExit('the script must not run')\n")
+        return memprof_run(where, "--light", *LIGHT_ELSEWHERE[number], "-o", where / "out",
+                           "train.py"), where
+
+    refused.__name__ = f"light_elsewhere{number}"
+    job(refused)
+
+
+for _number in range(len(LIGHT_ELSEWHERE)):
+    _light_elsewhere(_number)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
     """Every job above, started at once on a small pool (the longest first)."""
-    base = tmp_path_factory.mktemp("runs")
-    with ThreadPoolExecutor(max_workers=max(2, min(6, os.cpu_count() or 2))) as pool:
-        futures = {}
-        for name, fn in JOBS.items():
-            (base / name).mkdir()
-            futures[name] = pool.submit(fn, base / name)
-        yield futures
-        for future in futures.values():
-            future.cancel()
+    yield from JOBS.started(tmp_path_factory, "runs")
 
 
 def sample_report(runs: dict[str, Future[Any]], name: str) -> dict[str, Any]:
@@ -414,8 +486,7 @@ def test_other_samples_are_not_flagged(runs: dict[str, Future[Any]], name: str) 
 def test_snapshot_opens_in_explain_and_without_classes(runs: dict[str, Future[Any]]) -> None:
     _, out = runs["mlp"].result()
     data = report(out)
-    explained = run_python(["-m", "memprof", "explain", "--json", "-o", "-",
-                            out / "snapshot.pickle"], out)
+    explained = runs["mlp_explained"].result()
     assert explained.code == 0, explained.stderr
     device = json.loads(explained.stdout)["devices"][0]
     for key in ("peak", "categories", "category_peaks", "leak", "step_growth"):
@@ -490,7 +561,8 @@ def test_an_operators_error_shows_the_frames_python_shows(runs: dict[str, Future
                                                          ) -> None:
     # the CPU recorder's and the virtual GPU's dispatch modes sit between the script's line
     # and the operator; a plain run shows neither them nor torch's Python under them
-    results = runs["raises_in_operator"].result()
+    results = {run: runs[f"operator_{run}"].result()
+               for run in ("python", "cpu", "virtual", "cuda")}
     where = Path(results["cpu"].stderr.split('File "')[1].split('"')[0]).parent
     expected = _frames(results["python"].stderr, where)
     assert [(f.name, fn) for f, _, fn in expected] == [("on_cpu.py", "<module>"),
@@ -584,14 +656,13 @@ def test_oom_sample_reports_the_failed_request(tmp_path: Path) -> None:
     assert (out / "oom-snapshot.pickle").is_file()
 
 
-@pytest.mark.parametrize("options", [[], ["--device", "auto"], ["--device", "cpu", "--profile"],
-                                     ["--device", "cpu", "--virtual-gpu", "T4"]])
-def test_light_is_refused_off_the_cpu_path(tmp_path: Path, options: list[str]) -> None:
-    (tmp_path / "train.py").write_text("raise SystemExit('the script must not run')\n")
-    result = memprof_run(tmp_path, "--light", *options, "-o", tmp_path / "out", "train.py")
+@pytest.mark.parametrize("options", LIGHT_ELSEWHERE)
+def test_light_is_refused_off_the_cpu_path(runs: dict[str, Future[Any]],
+                                           options: list[str]) -> None:
+    result, where = runs[f"light_elsewhere{LIGHT_ELSEWHERE.index(options)}"].result()
     assert result.code == 2 and result.stdout == ""
     assert result.stderr.startswith("memprof: error: --light") and "--device cpu" in result.stderr
-    assert result.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    assert result.stderr.count("\n") == 1 and not (where / "out").exists()
 
 
 @pytest.mark.parametrize("command, switches", [
@@ -613,3 +684,38 @@ def test_help_shows_switches_without_a_value(command: list[str], switches: list[
     for switch in switches:
         assert switch in rows, result.output
         assert "<bool>" not in rows[switch]  # as if it took one: `--force <bool>`
+
+
+# --- report.html ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["transformer", "leak"])
+def test_the_page_holds_the_reports_figures(runs: dict[str, Future[Any]], name: str) -> None:
+    from tests.test_html_report import assert_page_matches, page_data
+
+    result, out = runs[name].result()
+    assert result.code == 0, result.stderr[-3000:]
+    page = page_data(out / "report.html")
+    assert_page_matches(page, report(out))
+    assert page["devices"][0]["capacity_bytes"] is None  # --device cpu: no card
+    steps = page["devices"][0]["text"]["steps"]
+    assert steps.startswith("PROBABLE LEAK") == (name == "leak"), steps
+
+
+def test_each_rank_has_a_page_and_explain_shows_the_ranks(runs: dict[str, Future[Any]],
+                                                          tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from memprof.cli.app import app
+    from tests.test_html_report import page_data
+
+    result, out = runs["ddp"].result()
+    assert result.code == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        page = page_data(out / f"report-rank{rank}.html")
+        assert page["run"]["rank"] == rank and len(page["devices"]) == 1
+    shown = CliRunner().invoke(app, ["explain", str(out), "--html", str(tmp_path / "p.html")])
+    assert shown.exit_code == 0, shown.output
+    page = page_data(tmp_path / "p.html")
+    assert [d["report"]["rank"] for d in page["devices"]] == [0, 1]
+    assert page["imbalance"]["ranks"] == [0, 1]

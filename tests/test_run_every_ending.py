@@ -12,9 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
+from conftest import Jobs
 from test_run_cli import ROOT
 
 # signals a handler can catch whose default action ends the process (signal(7))
@@ -58,6 +62,23 @@ def _report(cwd: Path) -> dict:
     return json.loads((cwd / "out" / "report.json").read_text())["run"]
 
 
+def _ended(cwd: Path, script: str, **popen: object) -> tuple[int, str]:
+    """``script`` under ``memprof run`` to its end: the exit code and stderr."""
+    proc = _memprof(cwd, script, **popen)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err
+
+
+# --- the runs of every test but the first: started together on first use ------------------
+
+jobs = Jobs()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
+    yield from jobs.started(tmp_path_factory, "endings")
+
+
 def test_every_terminating_signal_leaves_a_whole_report(tmp_path: Path):
     """Each catchable signal whose default ends the process, sent at a random moment of the
     script's run (seeded): the report is whole, the exit code 128 + the signal."""
@@ -83,30 +104,42 @@ def test_every_terminating_signal_leaves_a_whole_report(tmp_path: Path):
         assert "memprof/" not in err.split("Memory at the peak")[0], (name, err)
 
 
-def test_an_alarm_the_script_leaves_armed(tmp_path: Path):
-    script = "import signal, time\nsignal.alarm(1)\ntime.sleep(30)\n"
-    proc = _memprof(tmp_path, script)
-    proc.communicate(timeout=60)
-    assert proc.returncode == 142 == _python(tmp_path, script)
-    assert _report(tmp_path)["stopped_by"] == "SIGALRM"
+ALARM = "import signal, time\nsignal.alarm(1)\ntime.sleep(30)\n"
 
 
-def test_the_lock_of_a_killed_run_is_taken_over(tmp_path: Path):
-    (tmp_path / "out").mkdir()
+@jobs
+def alarm(where: Path) -> tuple[int, int, Path]:
+    code, _ = _ended(where, ALARM)
+    return code, _python(where, ALARM), where
+
+
+def test_an_alarm_the_script_leaves_armed(runs: dict[str, Future[Any]]):
+    code, python, where = runs["alarm"].result()
+    assert code == 142 == python
+    assert _report(where)["stopped_by"] == "SIGALRM"
+
+
+@jobs
+def lock(where: Path) -> tuple[int, str, Path, subprocess.CompletedProcess[str]]:
+    (where / "out").mkdir()
     gone = subprocess.Popen(["true"])
     gone.wait()
-    (tmp_path / "out" / ".report.json.lock").write_text(str(gone.pid))
-    proc = _memprof(tmp_path, "pass\n")
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    assert _report(tmp_path)["exit"]["status"] == "completed"
+    (where / "out" / ".report.json.lock").write_text(str(gone.pid))
+    code, err = _ended(where, "pass\n")
 
-    (tmp_path / "busy").mkdir()  # a live process's lock still refuses
-    (tmp_path / "busy" / ".report.json.lock").write_text(str(os.getpid()))
-    (tmp_path / "s.py").write_text("pass\n")
+    (where / "busy").mkdir()  # a live process's lock still refuses
+    (where / "busy" / ".report.json.lock").write_text(str(os.getpid()))
+    (where / "s.py").write_text("pass\n")
     busy = subprocess.run([sys.executable, "-m", "memprof", "run", "-o", "busy", "s.py"],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          cwd=where, env=_env(), capture_output=True, text=True,
                           check=False)
+    return code, err, where, busy
+
+
+def test_the_lock_of_a_killed_run_is_taken_over(runs: dict[str, Future[Any]]):
+    code, err, where, busy = runs["lock"].result()
+    assert code == 0, err
+    assert _report(where)["exit"]["status"] == "completed"
     assert busy.returncode == 2 and "another memprof run is writing there" in busy.stderr
 
 
@@ -125,58 +158,88 @@ ENDINGS = {
 }
 
 
+def _odd_ending(case: str) -> None:
+    def run(where: Path) -> tuple[int, int, str, Path]:
+        script = ENDINGS[case][0]
+        return (_python(where, script), *_ended(where, script), where)
+
+    run.__name__ = f"ending {case}"
+    jobs(run)
+
+
+for _case in ENDINGS:
+    _odd_ending(_case)
+
+
 @pytest.mark.parametrize("case", list(ENDINGS))
-def test_odd_endings_keep_pythons_code_and_the_report(tmp_path: Path, case: str):
-    script, code = ENDINGS[case]
-    assert _python(tmp_path, script) == code
-    proc = _memprof(tmp_path, script)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == code, err
-    assert _report(tmp_path)["exit"]["code"] == (0 if case == "__del__ exits" else code)
+def test_odd_endings_keep_pythons_code_and_the_report(runs: dict[str, Future[Any]], case: str):
+    code = ENDINGS[case][1]
+    python, memprof, err, where = runs[f"ending {case}"].result()
+    assert python == code
+    assert memprof == code, err
+    assert _report(where)["exit"]["code"] == (0 if case == "__del__ exits" else code)
     assert "memprof/" not in err, err
 
 
-def test_python_and_memprof_print_a_broken_excepthook_alike(tmp_path: Path):
+@jobs
+def broken_excepthook(where: Path) -> tuple[str, str]:
     script = ENDINGS["excepthook raises"][0]
-    (tmp_path / "p.py").write_text(script)
-    python = subprocess.run([sys.executable, "p.py"], cwd=tmp_path, capture_output=True,
+    (where / "p.py").write_text(script)
+    python = subprocess.run([sys.executable, "p.py"], cwd=where, capture_output=True,
                             text=True, check=False).stderr
-    proc = _memprof(tmp_path, script.replace("p.py", "s.py"))
-    _, err = proc.communicate(timeout=60)
+    return python, _ended(where, script.replace("p.py", "s.py"))[1]
+
+
+def test_python_and_memprof_print_a_broken_excepthook_alike(runs: dict[str, Future[Any]]):
+    python, err = runs["broken_excepthook"].result()
     assert err.startswith(python.replace("p.py", "s.py")), err
 
 
-def test_a_run_folder_that_cannot_be_written_keeps_the_scripts_code(tmp_path: Path):
-    def small_files() -> None:  # a full disk, as the files see it
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+def _small_files() -> None:  # a full disk, as the files see it
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
 
-    proc = _memprof(tmp_path, LOOP.replace("range(3000)", "range(3)") + "sys.exit(3)\n",
-                    preexec_fn=small_files)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 3, err
+
+@jobs
+def unwritable(where: Path) -> tuple[int, str]:
+    return _ended(where, LOOP.replace("range(3000)", "range(3)") + "sys.exit(3)\n",
+                  preexec_fn=_small_files)
+
+
+def test_a_run_folder_that_cannot_be_written_keeps_the_scripts_code(
+        runs: dict[str, Future[Any]]):
+    code, err = runs["unwritable"].result()
+    assert code == 3, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("memprof: error:") and "File too large" in last, last
     assert "the run folder holds" in last
 
 
-def test_pool_workers_end_as_pythons_do(tmp_path: Path):
+@jobs
+def pool_workers(where: Path) -> tuple[int, str]:
     script = ("import multiprocessing as mp, time\n"
               "def work(x):\n    time.sleep(5)\n"
               "if __name__ == '__main__':\n"
               "    pool = mp.get_context('fork').Pool(2)\n"
               "    pool.map_async(work, range(2)); time.sleep(0.5)\n"
               "    pool.terminate(); pool.join()\n")
-    proc = _memprof(tmp_path, script)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    return _ended(where, script)
+
+
+def test_pool_workers_end_as_pythons_do(runs: dict[str, Future[Any]]):
+    code, err = runs["pool_workers"].result()
+    assert code == 0, err
     assert "Stop" not in err and "Traceback" not in err, err
 
 
-def test_a_threads_traceback_has_no_memprof_frame(tmp_path: Path):
+@jobs
+def thread_raises(where: Path) -> tuple[int, str]:
     script = ("import threading, torch\n"
               "def boom():\n    torch.ones(2)\n    raise ValueError('in a thread')\n"
               "t = threading.Thread(target=boom); t.start(); t.join()\n")
-    proc = _memprof(tmp_path, script)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0 and "ValueError: in a thread" in err, err
+    return _ended(where, script)
+
+
+def test_a_threads_traceback_has_no_memprof_frame(runs: dict[str, Future[Any]]):
+    code, err = runs["thread_raises"].result()
+    assert code == 0 and "ValueError: in a thread" in err, err
     assert "memprof/" not in err.split("memprof run s.py")[0], err

@@ -3,10 +3,14 @@ allocator settings out of range refused in one line before anything runs."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_run_cli import memprof_run
+from conftest import Jobs
+from test_run_cli import Result, memprof_run
 from typer.testing import CliRunner
 
 from memprof.analysis.settings import parse_alloc_conf
@@ -41,18 +45,46 @@ def _one_line(result, option: str) -> None:
     assert line.startswith("memprof: error:") and len(line) < 400, line
 
 
-@pytest.mark.parametrize("option", ["--max-peak", "--virtual-gpu"])
-def test_run_options_refuse_huge_sizes_before_the_script(tmp_path: Path, option: str):
-    marker = tmp_path / "ran"
-    (tmp_path / "train.py").write_text(f"open({str(marker)!r}, 'w')\n")
-    _one_line(memprof_run(tmp_path, option, f"{HUGE}GB", "train.py"), option)
+# --- the runs each test refuses: started together on first use ---------------------------
+
+jobs = Jobs()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
+    yield from jobs.started(tmp_path_factory, "sizes")
+
+
+def _refused_run(name: str, *options: str, marks: bool = True) -> None:
+    """A run with ``options`` of a script that marks that it ran (or ``pass``)."""
+    def run(where: Path) -> tuple[Result, Path]:
+        marker = where / "ran"
+        (where / "train.py").write_text(f"open({str(marker)!r}, 'w')\n" if marks else "pass\n")
+        return memprof_run(where, *options, "train.py"), marker
+
+    run.__name__ = name
+    jobs(run)
+
+
+SIZE_OPTIONS = ["--max-peak", "--virtual-gpu"]
+SECONDS = ["inf", "nan", "-1", "1e400", "0"]
+for _option in SIZE_OPTIONS:
+    _refused_run(_option, _option, f"{HUGE}GB")
+for _value in SECONDS:
+    _refused_run(f"--seconds {_value}", "--seconds", _value, marks=False)
+
+
+@pytest.mark.parametrize("option", SIZE_OPTIONS)
+def test_run_options_refuse_huge_sizes_before_the_script(runs: dict[str, Future[Any]],
+                                                         option: str):
+    result, marker = runs[option].result()
+    _one_line(result, option)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("value", ["inf", "nan", "-1", "1e400", "0"])
-def test_seconds_must_be_a_time(tmp_path: Path, value: str):
-    (tmp_path / "train.py").write_text("pass\n")
-    _one_line(memprof_run(tmp_path, "--seconds", value, "train.py"), "--seconds")
+@pytest.mark.parametrize("value", SECONDS)
+def test_seconds_must_be_a_time(runs: dict[str, Future[Any]], value: str):
+    _one_line(runs[f"--seconds {value}"].result()[0], "--seconds")
 
 
 BAD_CONFS = ["garbage_collection_threshold:2", "garbage_collection_threshold:-1",
@@ -77,10 +109,12 @@ def test_allocator_settings_pytorch_refuses_are_refused(conf: str):
     _refused_in_process(["explain", "nowhere.pickle", "--what-if", conf])
 
 
-def test_allocator_settings_are_checked_before_the_script_runs(tmp_path: Path):
-    marker = tmp_path / "ran"
-    (tmp_path / "train.py").write_text(f"open({str(marker)!r}, 'w')\n")
-    _one_line(memprof_run(tmp_path, "--alloc-conf", BAD_CONFS[0], "train.py"), BAD_CONFS[0])
+_refused_run("--alloc-conf", "--alloc-conf", BAD_CONFS[0])
+
+
+def test_allocator_settings_are_checked_before_the_script_runs(runs: dict[str, Future[Any]]):
+    result, marker = runs["--alloc-conf"].result()
+    _one_line(result, BAD_CONFS[0])
     assert not marker.exists()
 
 

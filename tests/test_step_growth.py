@@ -6,13 +6,17 @@ The verdict must not flip with the number of steps: LBFGS history (bounded by
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pytest
+from conftest import Jobs
 
 from memprof.analysis.findings import BOUNDED, LEAK, NO_GROWTH, NO_STEPS, TOO_FEW_STEPS
 from memprof.analysis.steps import MIN_STEPS, step_growth
-from tests.test_run_cli import block, memprof_run, report
+from tests.test_run_cli import Result, block, memprof_run, report
 
 MIB = 1 << 20
 PEAK = 100 * MIB
@@ -124,9 +128,33 @@ def _run(tmp_path: Path, script: str, steps: int) -> tuple[str, dict]:
     return result.stderr, report(tmp_path / out)["devices"][0]
 
 
+# --- the runs: started together on first use, each in a folder of its own ----------------
+
+jobs = Jobs()
+
+
+def _runs_of(name: str, script: str, steps: int) -> None:
+    def run(where: Path) -> tuple[str, dict]:
+        return _run(where, script, steps)
+
+    run.__name__ = f"{name}{steps}"
+    jobs(run)
+
+
+for _steps in (8, 5, 3):
+    _runs_of("lbfgs", LBFGS, _steps)
+for _steps in (8, 5):
+    _runs_of("append", APPEND, _steps)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
+    yield from jobs.started(tmp_path_factory, "steps")
+
+
 @pytest.mark.parametrize("steps", [3, 5, 8])
-def test_lbfgs_history_is_never_a_leak(tmp_path: Path, steps: int) -> None:
-    stderr, device = _run(tmp_path, LBFGS, steps)
+def test_lbfgs_history_is_never_a_leak(runs: dict[str, Future[Any]], steps: int) -> None:
+    stderr, device = runs[f"lbfgs{steps}"].result()
     growth = device["step_growth"]
     assert device["leak"] is None and "LEAK" not in stderr
     if steps < MIN_STEPS:
@@ -143,8 +171,9 @@ def test_lbfgs_history_is_never_a_leak(tmp_path: Path, steps: int) -> None:
 
 
 @pytest.mark.parametrize("steps", [5, 8])
-def test_a_list_that_keeps_a_tensor_every_step_is_a_leak(tmp_path: Path, steps: int) -> None:
-    stderr, device = _run(tmp_path, APPEND, steps)
+def test_a_list_that_keeps_a_tensor_every_step_is_a_leak(runs: dict[str, Future[Any]],
+                                                        steps: int) -> None:
+    stderr, device = runs[f"append{steps}"].result()
     per_step = block(256 * 64 * 4)
     assert device["step_growth"]["verdict"] == LEAK
     assert device["step_growth"]["growth_bytes"] == (steps - 2) * per_step
@@ -197,17 +226,31 @@ for i in range(6):
 """
 
 
-def test_two_optimizers_make_one_step_per_iteration(tmp_path: Path) -> None:
-    (tmp_path / "gan.py").write_text(GAN)
-    whole = memprof_run(tmp_path, "--device", "cpu", "-o", "whole", "gan.py")
+def _gan(where: Path, *args: str) -> tuple[Result, Path]:
+    (where / "gan.py").write_text(GAN)
+    return memprof_run(where, "--device", "cpu", *args, "gan.py"), where
+
+
+@jobs
+def gan_whole(where: Path) -> tuple[Result, Path]:
+    return _gan(where, "-o", "whole")
+
+
+@jobs
+def gan_two(where: Path) -> tuple[Result, Path]:
+    return _gan(where, "--steps", "2", "-o", "two")
+
+
+def test_two_optimizers_make_one_step_per_iteration(runs: dict[str, Future[Any]]) -> None:
+    whole, where = runs["gan_whole"].result()
     assert whole.code == 0, whole.stderr
-    data = report(tmp_path / "whole")
+    data = report(where / "whole")
     assert data["run"]["optimizer_steps"] == 6
     ends = [s["end_allocated_bytes"] for s in data["devices"][0]["steps"]]
     assert len(set(ends[1:])) == 1  # no alternation between the two optimizers' steps
-    stopped = memprof_run(tmp_path, "--device", "cpu", "--steps", "2", "-o", "two", "gan.py")
+    stopped, where = runs["gan_two"].result()
     assert stopped.code == 0 and stopped.stdout.split("\n")[:-1] == ["iteration 0"]
-    assert report(tmp_path / "two")["run"]["optimizer_steps"] == 2
+    assert report(where / "two")["run"]["optimizer_steps"] == 2
 
 
 def test_step_pace_ends_a_step_per_iteration_of_several_optimizers() -> None:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import fixture, needs_fixtures
-from test_run_cli import SAMPLES, Result, block, flags, memprof_run, run_python
+from conftest import Jobs, fixture, needs_fixtures
+from test_run_cli import SAMPLES, Result, block, flags, memprof_here, memprof_run, run_python
 
 from memprof.advise.advice import advise
 from memprof.advise.budget import parse_budget
@@ -29,6 +32,10 @@ LM = {"layers": 4, "d-model": 256, "heads": 4, "seq": 256, "batch": 8, "vocab": 
 
 
 def suggest(cwd: Path, *args: str | Path) -> Result:
+    """``memprof suggest ARGS`` in ``cwd``: by its entry point in this process, or, in a job
+    (a thread of its own), in a process of its own."""
+    if threading.current_thread() is threading.main_thread():
+        return memprof_here(cwd, "suggest", *args)
     return run_python(["-m", "memprof", "suggest", *args], cwd)
 
 
@@ -38,14 +45,45 @@ def advice_json(cwd: Path, *args: str | Path) -> dict[str, Any]:
     return json.loads(result.stdout)["suggest"]
 
 
+# --- the processes: every test's, started together on first use --------------------------
+
+jobs = Jobs()
+
+
+def _recorded(where: Path, name: str, script: str, size: dict[str, int]) -> Path:
+    """The run ``name``, in the folder both runs of ``runs`` ran in."""
+    folder = where.parent / "runs"
+    folder.mkdir(exist_ok=True)
+    result = memprof_run(folder, "-o", name, SAMPLES / script, *flags(size))
+    assert result.code == 0, result.stderr
+    return folder
+
+
+@jobs
+def lm(where: Path) -> Path:
+    return _recorded(where, "lm", "transformer_lm.py", LM)
+
+
+@jobs
+def mlp(where: Path) -> Path:
+    return _recorded(where, "mlp", "mlp_adam.py", MLP)
+
+
+def _runs() -> Path:
+    """The folder of both runs, once they are written."""
+    assert jobs.result("lm") == jobs.result("mlp")
+    return jobs.result("lm")
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
+    yield from jobs.started(tmp_path_factory, "suggest")
+
+
+@pytest.fixture(scope="module")
+def runs(processes: dict[str, Future[Any]]) -> Path:
     """The MLP sample (Adam) and a small transformer LM, a few steps each."""
-    where = tmp_path_factory.mktemp("suggest")
-    for name, script, size in (("mlp", "mlp_adam.py", MLP), ("lm", "transformer_lm.py", LM)):
-        result = memprof_run(where, "-o", name, SAMPLES / script, *flags(size))
-        assert result.code == 0, result.stderr
-    return where
+    return _runs()
 
 
 def test_budgets_tell_decimal_from_binary():
@@ -204,8 +242,13 @@ def test_the_hugging_face_trainer_is_seen_stepping_the_optimizer(tmp_path: Path)
     assert recorder.snapshot()["memprof"]["model"]["trainer"] == "transformers"
 
 
-def test_verify_measures_within_10_percent_of_the_estimates(runs: Path):
-    advice = advice_json(runs, "lm", "--budget", "190MB", "--verify", "--batch-arg", "batch")
+@jobs
+def verify(where: Path) -> dict[str, Any]:
+    return advice_json(_runs(), "lm", "--budget", "190MB", "--verify", "--batch-arg", "batch")
+
+
+def test_verify_measures_within_10_percent_of_the_estimates(processes: dict[str, Future[Any]]):
+    advice = processes["verify"].result()
     base = advice["baseline_measured"]["reserved_bytes"]
     current = advice["current"]["reserved_bytes"]
     assert base == current  # the re-run as recorded reproduces the run
@@ -221,9 +264,18 @@ def test_verify_measures_within_10_percent_of_the_estimates(runs: Path):
     assert abs(predicted - measured) <= 0.05 * measured
 
 
-def test_fit_batch_finds_the_largest_batch_that_fits(runs: Path):
-    budget = "250MB"
-    result = suggest(runs, "lm", "--budget", budget, "--fit-batch", "batch", "--json")
+FIT_BUDGET = "250MB"
+
+
+@jobs
+def fit_batch(where: Path) -> Result:
+    return suggest(_runs(), "lm", "--budget", FIT_BUDGET, "--fit-batch", "batch", "--json")
+
+
+def test_fit_batch_finds_the_largest_batch_that_fits(runs: Path,
+                                                     processes: dict[str, Future[Any]]):
+    budget = FIT_BUDGET
+    result = processes["fit_batch"].result()
     found = json.loads(result.stdout)["suggest"]["fit_batch"]
     largest = found["largest"]
     assert found["arg"] == "batch" and largest is not None and found["runs"] >= 3
@@ -275,10 +327,15 @@ for _ in range(2):
 """
 
 
-def test_a_rerun_that_fails_is_shown_as_failed_not_measured(tmp_path: Path):
-    (tmp_path / "fails_smaller.py").write_text(FAILS_SMALLER)
-    assert memprof_run(tmp_path, "-o", "run", "fails_smaller.py", "--batch", "8192").code == 0
-    result = suggest(tmp_path, "run", "--budget", "1MB", "--verify", "--batch-arg", "batch")
+@jobs
+def fails_smaller(where: Path) -> Result:
+    (where / "fails_smaller.py").write_text(FAILS_SMALLER)
+    assert memprof_run(where, "-o", "run", "fails_smaller.py", "--batch", "8192").code == 0
+    return suggest(where, "run", "--budget", "1MB", "--verify", "--batch-arg", "batch")
+
+
+def test_a_rerun_that_fails_is_shown_as_failed_not_measured(processes: dict[str, Future[Any]]):
+    result = processes["fails_smaller"].result()
     assert result.code == 1, result.stdout + result.stderr  # nothing fits 1MB; all measured
     rows = [line.split() for line in result.stdout.splitlines()
             if line.startswith(" micro-batch")]  # the ranking's rows
@@ -307,11 +364,16 @@ def test_json_gives_a_failed_remedy_its_error_and_no_measurement(runs: Path):
 BLOCKS = Path(__file__).parent / "scripts" / "blocks_train.py"
 
 
+@jobs
+def checkpointed(where: Path) -> tuple[Path, dict[str, Any]]:
+    assert memprof_run(where, "-o", "ckpt", BLOCKS, "--ckpt", "non-reentrant").code == 0
+    return where, advice_json(where, "ckpt", "--budget", "1MB", "--verify")
+
+
 def test_blocks_the_script_checkpoints_itself_are_not_offered_and_verify_still_runs(
-        tmp_path: Path):
-    assert memprof_run(tmp_path, "-o", "ckpt", BLOCKS, "--ckpt", "non-reentrant").code == 0
-    assert load_run(tmp_path / "ckpt").model["checkpointed"] == ["Block"]
-    advice = advice_json(tmp_path, "ckpt", "--budget", "1MB", "--verify")
+        processes: dict[str, Future[Any]]):
+    where, advice = processes["checkpointed"].result()
+    assert load_run(where / "ckpt").model["checkpointed"] == ["Block"]
     by_key = {r["key"]: r for r in advice["remedies"]}
     assert not any(key.startswith("checkpoint") for key in by_key)
     # memprof's autocast around the script's checkpointed blocks: their recomputation
@@ -339,43 +401,68 @@ def test_checkpointing_is_seen_however_the_script_does_it(how: str,
     assert checkpointed == ([] if how == "none" else ["Block"])
 
 
-def test_a_cpu_recording_verifies_autocast_on_the_cpu_and_sees_the_scripts_own(tmp_path: Path):
-    cpu = ("--device", "cpu", "--batch", "8")
-    assert memprof_run(tmp_path, "-o", "fp32", "--device", "cpu", BLOCKS, *cpu).code == 0
-    advice = advice_json(tmp_path, "fp32", "--budget", "1MB", "--verify")
+CPU = ("--device", "cpu", "--batch", "8")
+
+
+@jobs
+def cpu_fp32(where: Path) -> dict[str, Any]:
+    assert memprof_run(where, "-o", "fp32", "--device", "cpu", BLOCKS, *CPU).code == 0
+    return advice_json(where, "fp32", "--budget", "1MB", "--verify")
+
+
+@jobs
+def cpu_bf16(where: Path) -> Path:
+    assert memprof_run(where, "-o", "bf16", "--device", "cpu", BLOCKS, *CPU,
+                       "--cpu-bf16").code == 0
+    return where / "bf16"
+
+
+def test_a_cpu_recording_verifies_autocast_on_the_cpu_and_sees_the_scripts_own(
+        processes: dict[str, Future[Any]]):
+    advice = processes["cpu_fp32"].result()
     autocast = next(r for r in advice["remedies"] if r["key"] == "autocast")
     assert autocast["measured"]["reserved_bytes"] < advice["baseline_measured"]["reserved_bytes"]
-    assert memprof_run(tmp_path, "-o", "bf16", "--device", "cpu", BLOCKS, *cpu,
-                       "--cpu-bf16").code == 0
-    run = load_run(tmp_path / "bf16")
+    run = load_run(processes["cpu_bf16"].result())
     assert run.model["autocast"] == "bfloat16"
     assert "autocast" not in {r.remedy.key for r in advise(run, parse_budget("1MB")).ranked}
 
 
-def test_a_remedy_that_measures_no_saving_leaves_the_plan(tmp_path: Path):
-    assert memprof_run(tmp_path, "-o", "off", BLOCKS, "--no-autocast").code == 0
-    run = load_run(tmp_path / "off")
+@jobs
+def autocast_off(where: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    assert memprof_run(where, "-o", "off", BLOCKS, "--no-autocast").code == 0
+    run = load_run(where / "off")
     autocast = next(r for r in advise(run, parse_budget("1MB")).ranked
                     if r.remedy.key == "autocast")
     budget = str(autocast.peak.reserved + (1 << 20))  # autocast alone fits, on paper
-    assert [s["key"] for s in advice_json(tmp_path, "off", "--budget", budget)["plan"]["steps"]
-            ] == ["autocast"]
-    advice = advice_json(tmp_path, "off", "--budget", budget, "--verify")
+    return (advice_json(where, "off", "--budget", budget),
+            advice_json(where, "off", "--budget", budget, "--verify"))
+
+
+def test_a_remedy_that_measures_no_saving_leaves_the_plan(processes: dict[str, Future[Any]]):
+    planned, advice = processes["autocast_off"].result()
+    assert [s["key"] for s in planned["plan"]["steps"]] == ["autocast"]
     measured = next(r for r in advice["remedies"] if r["key"] == "autocast")["measured"]
     assert measured == advice["baseline_measured"]  # the model turns autocast off inside
     assert "autocast" in advice["plan"]["excluded"]
     assert "autocast" not in [s["key"] for s in advice["plan"]["steps"]]
 
 
-def test_reruns_start_where_the_run_did(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    project = tmp_path / "project"
+@jobs
+def project(where: Path) -> Path:
+    project = where / "project"
     project.mkdir()
     (project / "train.py").write_text(
         "import torch\nm = torch.nn.Linear(64, 64).cuda()\no = torch.optim.SGD(m.parameters())\n"
         "for _ in range(3):\n    m(torch.randn(8, 64, device='cuda')).sum().backward()\n"
         "    o.step()\n")
     assert memprof_run(project, "-o", "run", "train.py").code == 0
-    monkeypatch.chdir(tmp_path)  # suggest runs from elsewhere
+    return project
+
+
+def test_reruns_start_where_the_run_did(processes: dict[str, Future[Any]],
+                                        monkeypatch: pytest.MonkeyPatch):
+    project = processes["project"].result()
+    monkeypatch.chdir(project.parent)  # suggest runs from elsewhere
     run = load_run(project / "run")
     assert run.facts["cwd"] == str(project)
     rerun = Rerun.of(run)

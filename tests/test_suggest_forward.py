@@ -6,6 +6,7 @@ absent where the script already does the right thing."""
 from __future__ import annotations
 
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -35,9 +36,11 @@ def script() -> ModuleType:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Careless habits ("bad") and careful ones ("good")."""
     where = tmp_path_factory.mktemp("forward")
-    for name, args in (("bad", ("--set-to-none=0", "--eval=grad")), ("good", ("--fused",))):
-        result = memprof_run(where, "-o", name, SCRIPT, *args)
-        assert result.code == 0, result.stderr
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the two runs at once
+        for result in pool.map(lambda run: memprof_run(where, "-o", run[0], SCRIPT, *run[1]),
+                               (("bad", ("--set-to-none=0", "--eval=grad")),
+                                ("good", ("--fused",)))):
+            assert result.code == 0, result.stderr
     return where
 
 

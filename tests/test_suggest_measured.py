@@ -97,3 +97,28 @@ def test_a_rerun_reaches_the_phase_that_held_the_recorded_peak(peak_event: int,
               "steps": [{"step": i + 1, "start": 10 * i, "end": 10 * i + 10} for i in range(5)]}
     run = Run(Path("report.json"), {"run": {"optimizer_steps": 5}}, device, None, False)
     assert _steps_to_peak(run) == steps
+
+
+class _Rerun:
+    """A re-run whose peak is 64 MiB per unit of --batch: the recorded run used 8."""
+
+    def __init__(self) -> None:
+        self.args = ["--batch", "8"]
+
+    def value_of(self, name: str) -> int:
+        return 8
+
+    def peak(self, args: list[str]) -> Peak:
+        return _peak(64 * PAGE // 2 * int(args[args.index("--batch") + 1]))
+
+
+@pytest.mark.parametrize(("recorded", "largest"), [(8 * 32 * PAGE, 4), (2 * 8 * 32 * PAGE, None)])
+def test_fit_batch_is_not_used_when_the_recorded_value_does_not_reproduce_the_peak(
+        recorded: int, largest: int | None) -> None:
+    from rich.console import Console
+
+    from memprof.cli.suggest import _fit
+
+    found = _fit(_Rerun(), "batch", 4 * 32 * PAGE, Console(quiet=True), recorded)
+    assert found["largest"] == largest
+    assert (found["not_reproduced"] is None) == (largest is not None)

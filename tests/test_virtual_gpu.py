@@ -18,7 +18,18 @@ from typing import Any
 
 import pytest
 import torch
-from test_run_cli import F32, MLP, SAMPLES, Result, block, flags, load_sample, report, run_python
+from test_run_cli import (
+    F32,
+    MLP,
+    SAMPLES,
+    Result,
+    block,
+    flags,
+    load_sample,
+    memprof_here,
+    report,
+    run_python,
+)
 
 from memprof.analysis.blocks import SMALL_BUFFER
 from memprof.collect.virtual.cards import DEFAULT_CARD, parse_spec
@@ -189,6 +200,13 @@ def host_training(where: Path) -> Result:
 
 
 @job
+def host_training_python(where: Path) -> Result:
+    """The same script as python runs it."""
+    (where / "host_training.py").write_text(HOST_TRAINING)
+    return run_python([where / "host_training.py"], where)
+
+
+@job
 def host_model(where: Path) -> Result:
     return inline(where, "H100", "host_model", HOST_MODEL)
 
@@ -277,6 +295,13 @@ print(torch.nn.Linear(8, 8)(torch.ones(2, 8)).sum().item())
 @job
 def no_cuda(where: Path) -> Result:
     return inline(where, None, "cpu_only", CPU_ONLY)
+
+
+@job
+def no_cuda_python(where: Path) -> Result:
+    """The same script as python runs it."""
+    (where / "cpu_only.py").write_text(CPU_ONLY)
+    return run_python(["cpu_only.py"], where)
 
 
 @job
@@ -393,18 +418,6 @@ print(json.dumps({"before": before, "captured": captured, "replayed": replayed,
 @job
 def graphs(where: Path) -> Result:
     return inline(where, "H100", "graphs", GRAPHS)
-
-
-NCCL = """\
-import torch.distributed as dist
-backend = "nccl" if __import__("torch").cuda.is_available() else "gloo"
-dist.init_process_group(backend, init_method="tcp://127.0.0.1:29999", rank=0, world_size=1)
-"""
-
-
-@job
-def nccl(where: Path) -> Result:
-    return inline(where, "H100", "nccl", NCCL)
 
 
 @pytest.fixture(scope="module")
@@ -641,11 +654,11 @@ def test_a_model_built_on_the_host_never_holds_its_weights(runs: dict[str, Futur
     assert max_rss < allocated // 2  # the weights never existed in host memory
 
 
-def test_a_cpu_only_script_computes_what_python_computes(runs: dict[str, Future[Any]],
-                                                         tmp_path: Path) -> None:
+def test_a_cpu_only_script_computes_what_python_computes(runs: dict[str, Future[Any]]
+                                                         ) -> None:
     # 90 MiB of weights, each initialised twice: every weight is real and initialised
-    result, where = finished(runs, "host_training")
-    plain = run_python([where / "host_training.py"], tmp_path)
+    result, _ = finished(runs, "host_training")
+    plain, _ = runs["host_training_python"].result()
     assert plain.code == 0 and plain.stdout.split()[0] != "0.000000e+00"
     assert result.stdout == plain.stdout
 
@@ -670,12 +683,12 @@ def test_checkpoints_save_and_load_on_the_virtual_gpu(runs: dict[str, Future[Any
 def test_a_script_without_cuda_tensors_is_told_so(runs: dict[str, Future[Any]]) -> None:
     result, where = finished(runs, "no_cuda")
     # host model state stays real while small: the script computes what python computes
-    assert result.stdout == run_python(["cpu_only.py"], where).stdout
+    assert result.stdout == runs["no_cuda_python"].result()[0].stdout
     assert float(result.stdout) != 0
     assert "made no CUDA tensor, so the virtual H100 80GB held nothing; --device cpu" \
         in result.stderr
     assert report(where / "out")["devices"] == []
-    advice = run_python(["-m", "memprof", "suggest", "out", "--budget", "1GB"], where)
+    advice = memprof_here(where, "suggest", "out", "--budget", "1GB")
     assert advice.code == 2
     assert "the run made no CUDA tensor, so the virtual GPU held nothing to measure; run the" \
         " script with --device cpu" in advice.stderr
@@ -718,16 +731,6 @@ def test_cuda_graphs_capture_into_a_private_pool_and_replay_without_allocating(
     replay = device_of(where)["replay"]
     assert replay["decisions_matched"] == replay["decisions_total"]
     assert replay["reserved_bytes_predicted_peak"] == replay["reserved_bytes_recorded_peak"]
-
-
-def test_a_process_group_over_nccl_is_refused_in_one_line(runs: dict[str, Future[Any]]
-                                                          ) -> None:
-    result, _ = finished(runs, "nccl", code=1)
-    error = result.stderr.split("Traceback")[1].split("\nmemprof:")[0].strip().splitlines()[-1]
-    assert error.startswith("memprof.collect.virtual.unsupported.VirtualGpuUnsupported:"
-                            " memprof's virtual GPU cannot run torch.distributed over NCCL")
-    assert error.endswith("or run memprof on a GPU")
-    assert "NCCL built in" not in result.stderr  # PyTorch's own error: a broken install?
 
 
 def test_out_of_memory_where_the_card_would(runs: dict[str, Future[Any]]) -> None:

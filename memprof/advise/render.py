@@ -51,8 +51,9 @@ def render(advice: Advice, console: Console, measured: Measured | None = None,
     if gap > 0:
         console.print(_plan(advice, measured or {}))
     if batch is not None:
-        largest = batch["largest"]
+        largest, unused = batch["largest"], batch.get("not_reproduced")
         console.print(Text(
+            f"\nNo answer for --{batch['arg']}: {unused}" if unused else
             f"\nLargest --{batch['arg']} that fits: {largest}" if largest else
             f"\nNo --{batch['arg']} fits, not even 1", "bold"), f"({batch['runs']} runs)")
 

@@ -38,7 +38,8 @@ class Run:
 
 def newest_run(reports: Path) -> Path:
     """The newest run folder under ``reports`` (the default SOURCE)."""
-    folders = [p.parent for p in reports.glob(f"*/{REPORT_NAME}")] if reports.is_dir() else []
+    folders = [p.parent for pattern in (REPORT_NAME, "report-rank0.json")
+               for p in reports.glob(f"*/{pattern}")] if reports.is_dir() else []
     if not folders:
         raise MemprofError(f"no run folder under {reports}/: profile a run first"
                            " (memprof run train.py) or give SOURCE")
@@ -63,7 +64,7 @@ def load_run(source: Path) -> Run:
 
 def _run(path: Path, data: dict[str, Any], out_of_memory: str | None = None,
          lower_bound: bool = False) -> Run:
-    snapshot = path.parent / "snapshot.pickle"
+    snapshot = path.parent / path.name.replace("report", "snapshot").replace(".json", ".pickle")
     return Run(path, data, _largest(data["devices"]), snapshot if snapshot.is_file() else None,
                any(d.get("categories_inferred") for d in data["devices"]), out_of_memory,
                lower_bound)

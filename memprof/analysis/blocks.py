@@ -21,17 +21,16 @@ ADDR_MASK = (1 << KEY_SHIFT) - 1
 class Block:
     """A contiguous range of a segment, allocated or free (``slots`` for speed)."""
 
-    __slots__ = ("addr", "allocated", "cached", "gc_base", "mapped", "next", "prev", "requested",
-                 "seg", "size")
+    __slots__ = ("addr", "allocated", "cached", "gc_base", "next", "prev", "requested", "seg",
+                 "size")
 
-    def __init__(self, addr: int, size: int, seg: Segment, mapped: bool = True) -> None:
+    def __init__(self, addr: int, size: int, seg: Segment) -> None:
         self.addr = addr
         self.size = size
         self.seg = seg
         self.requested = 0
         self.allocated = False  # counted in the allocated stat (until free_requested)
         self.cached = True  # in its pool's free list (from free_completed on)
-        self.mapped = mapped
         self.gc_base = 0  # the large pool's search count when it was last freed
         self.prev: Block | None = None
         self.next: Block | None = None

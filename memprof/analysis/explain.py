@@ -28,12 +28,14 @@ from memprof.analysis.findings import (
 )
 from memprof.analysis.intervals import Intervals, intervals
 from memprof.analysis.modules import in_block, model_frame, rank_modules
+from memprof.analysis.peak_detail import PeakDetail, Row, peak_detail
 from memprof.analysis.replay import Check, Moment, Replay, replay
 from memprof.analysis.settings import unmodelled
 from memprof.analysis.sites import Site, site_of
 from memprof.analysis.steps import WARMUP_STEPS, step_growth, step_peaks
 from memprof.analysis.tally import Tally
 from memprof.analysis.whatif import unfragmented, what_if
+from memprof.analysis.window_start import segments_after
 from memprof.errors import MemprofError
 from memprof.trace.model import (
     ACTIVATIONS,
@@ -141,6 +143,7 @@ def _device(snapshot: Snapshot, device: int, segments: list[Segment], top: int,
         oom_events=result.oom_events,
         category_timeline=categories,
         tagged=_tagged(table, snapshot.tags.get(device), categories, peak, n),
+        peak_detail=describe.detail(peak, segments_after(segments, trace, peak)),
     )
 
 
@@ -234,7 +237,7 @@ class _Describer:
         total = sum(sizes)
         groups: dict[str, list] = {}
         for size, stack, event in zip(sizes, frames, events, strict=True):
-            site = self._once("site", stack, site_of) if stack or event >= 0 else BEFORE_WINDOW
+            site = self._site(event, stack)
             g = groups.setdefault(site.label, [site, 0, 0])
             g[1] += size
             g[2] += 1
@@ -243,6 +246,27 @@ class _Describer:
                  for label, (s, b, c) in ranked]
         return Live(total, categories, sites, self._modules(events, sizes, frames, total, top),
                     in_blocks, requested)
+
+    def detail(self, index: int, segments: dict[int, tuple[int, int, tuple[int, int], bool,
+                                                          bool]]) -> PeakDetail:
+        """Every block live after event ``index`` by category, module and site, and placed in
+        ``segments`` (those after ``index``)."""
+        rows = self.table.live_at(index)
+        paths = self.modules or {}
+        addrs = self.trace.addr if self.trace is not None else None
+        out = []
+        for event, end, size, initial in zip(rows.event.tolist(), rows.end.tolist(),
+                                              rows.size.tolist(), rows.initial.tolist(),
+                                              strict=True):
+            stack = self._frames(event, initial)
+            address = int(addrs[event]) if event >= 0 and addrs is not None else \
+                self.result.initial[initial].addr
+            out.append(Row(address, size, self._category(event, end, stack), paths.get(event),
+                           self._site(event, stack).label))
+        return peak_detail(out, segments)
+
+    def _site(self, event: int, stack: Frames) -> Site:
+        return self._once("site", stack, site_of) if stack or event >= 0 else BEFORE_WINDOW
 
     def _modules(self, events: list[int], sizes: list[int], frames: list[Frames], total: int,
                  top: int | None) -> list[ModuleUsage]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memprof.analysis.peak_detail import PeakDetail
 from memprof.analysis.replay import PoolState
 from memprof.trace.model import Frame
 
@@ -214,6 +215,8 @@ class DeviceFindings:
     category_timeline: dict[str, np.ndarray] | None = None
     # bytes of each tag (``TAGS``) live at the peak and when the activations peaked
     tagged: dict[str, Tagged] | None = None
+    # every block live at the peak by category, module and site, and the segments' map
+    peak_detail: PeakDetail | None = None
 
     def peak_before_window(self) -> tuple[int, int | None, bool] | None:
         """Where the ring buffer dropped events and the run held more before the kept ones:

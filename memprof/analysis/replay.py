@@ -242,6 +242,13 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
                     check.inconsistencies += 2 if action == _FREE_BOTH else 1
                     continue
                 block, start = entry
+                if start >= 0 and block is not None and block.allocated:  # the common case
+                    end[start] = i
+                    if action == requested_code:
+                        release_stats(block)
+                    else:
+                        free(block)
+                    continue
                 if block is None or block.allocated:  # released now
                     if block is None:
                         alloc.allocated -= block_size[start]

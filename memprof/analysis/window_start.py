@@ -45,24 +45,12 @@ def rebuild_start(alloc: CachingAllocator, segments: list[Segment],
     one with no event at all kept its final block.
     """
     n = 0 if trace is None else len(trace)
-    segs = {s.address: (s.total_size, s.stream, s.pool_id, s.is_small, s.is_expandable)
-            for s in segments}
+    segs = segments_after(segments, trace, -1)
     known = {b.address: b for s in segments for b in s.blocks if b.occupied}
     live: dict[int, tuple[int | None, int, bool]] = {
         a: (b.size, b.requested_size, b.allocated) for a, b in known.items()}
     if trace is not None and n:
         action = trace.action
-        for i in np.flatnonzero((action >= _SEGMENT_ALLOC) & (action <= _SEGMENT_UNMAP))[::-1]:
-            act, addr, size = int(action[i]), int(trace.addr[i]), int(trace.size[i])
-            if act == _SEGMENT_ALLOC:
-                segs.pop(addr, None)
-            elif act == _SEGMENT_FREE:
-                segs[addr] = (size, int(trace.stream[i]), DEFAULT_POOL, size <= SMALL_BUFFER,
-                              False)
-            elif act == _SEGMENT_MAP:
-                _cut(segs, addr, size)
-            else:
-                _join(segs, addr, size, int(trace.stream[i]))
         touched = np.flatnonzero(action <= _FREE_COMPLETED)
         addrs = trace.addr[touched]
         _, first = np.unique(addrs, return_index=True)
@@ -90,6 +78,30 @@ def rebuild_start(alloc: CachingAllocator, segments: list[Segment],
         frames = known[addr].frames if addr in known and live[addr][0] is not None else ()
         blocks.append(InitialBlock(addr, size, requested, n, frames, counted))
     return blocks
+
+
+def segments_after(segments: list[Segment], trace: DeviceTrace | None, index: int
+                   ) -> dict[int, tuple[int, int, tuple[int, int], bool, bool]]:
+    """The segments after event ``index`` (-1: before the first): the final ``segments`` with
+    the later segment events undone, newest first; by address, ``(size, stream, pool,
+    small, expandable)`` (an expandable segment's mapped ranges, each apart)."""
+    segs = {s.address: (s.total_size, s.stream, s.pool_id, s.is_small, s.is_expandable)
+            for s in segments}
+    if trace is None or not len(trace):
+        return segs
+    action = trace.action[index + 1:]
+    for k in np.flatnonzero((action >= _SEGMENT_ALLOC) & (action <= _SEGMENT_UNMAP))[::-1]:
+        i = index + 1 + int(k)
+        act, addr, size = int(action[k]), int(trace.addr[i]), int(trace.size[i])
+        if act == _SEGMENT_ALLOC:
+            segs.pop(addr, None)
+        elif act == _SEGMENT_FREE:
+            segs[addr] = (size, int(trace.stream[i]), DEFAULT_POOL, size <= SMALL_BUFFER, False)
+        elif act == _SEGMENT_MAP:
+            _cut(segs, addr, size)
+        else:
+            _join(segs, addr, size, int(trace.stream[i]))
+    return segs
 
 
 def _cut(segs: dict[int, tuple], addr: int, size: int) -> None:

@@ -34,8 +34,8 @@ def check(
         "--update-baseline", help="Write CURRENT's report as the new baseline (atomically)"
         " and exit 0.")] = False,
     fmt: Annotated[str, typer.Option(
-        "--format", help="text, json, markdown (a pull-request comment) or junit (XML for CI"
-        " test reports).")] = "text",
+        "--format", help="text, json, markdown (a pull-request comment), junit (XML for CI"
+        " test reports) or html (one offline page: both runs side by side).")] = "text",
     output: Annotated[Path | None, typer.Option(
         "--output", "-o", help="Write the verdict to this file instead of stdout.",
         show_default=False)] = None,
@@ -58,8 +58,8 @@ def check(
     from memprof.gate.reports import load_report, report_path
     from memprof.report.files import write_atomic
 
-    if fmt not in FORMATS:
-        raise MemprofError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if fmt not in (*FORMATS, "html"):
+        raise MemprofError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)} or html")
     try:
         chosen, limit = parse_metric(metric), parse_limit(max_increase)
     except ValueError as exc:
@@ -76,7 +76,12 @@ def check(
     except Incomparable as exc:
         raise MemprofError(f"cannot compare {mine.path} with baseline {theirs.path}: {exc};"
                            " pass --allow-different to compare anyway") from None
-    rendered = render(verdict, fmt)
+    if fmt == "html":
+        from memprof.gate.page import check_html
+
+        rendered = check_html(verdict, (mine.path, mine.data), (theirs.path, theirs.data))
+    else:
+        rendered = render(verdict, fmt)
     if output is None:
         typer.echo(rendered)
     else:

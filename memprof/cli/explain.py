@@ -33,6 +33,10 @@ def explain(
     plot: Annotated[bool, flag(
         "--plot", help="Write a PNG of allocated and reserved memory over time to"
         " OUT_DIR/NAME-timeline.png.")] = False,
+    html: Annotated[Path | None, typer.Option(
+        "--html", metavar="FILE", help="Also write the report as one interactive page that"
+        " opens offline (timeline, peak, modules, allocator) to FILE.", show_default=False)
+                    ] = None,
     out_dir: Annotated[Path, typer.Option("--out-dir", help="Folder for --json and --plot.")
                        ] = Path("reports"),
     top: Annotated[int, typer.Option("--top", min=1, help="How many allocation sites to list.")
@@ -64,7 +68,7 @@ def explain(
     from memprof.analysis.explain import merge_ranks
     from memprof.report.files import check_writable
     from memprof.report.json import report_dict, write_json
-    from memprof.report.text import plain
+    from memprof.report.text import plain, visible
     from memprof.supervised import supervise, time_limit
     from memprof.trace import load_snapshot
     from memprof.trace.load import gc_paused
@@ -82,7 +86,8 @@ def explain(
         raise MemprofError(f"--device-memory: {exc}") from None
     settings = [_settings(c, "--what-if", limit is not None) for c in what_if or []]
     recorded = _settings(alloc_conf, "--alloc-conf", True) if alloc_conf is not None else None
-    for path, wanted in ((json_path, json and not to_stdout), (plot_path, plot)):
+    for path, wanted in ((json_path, json and not to_stdout), (plot_path, plot),
+                         (html, html is not None)):
         if wanted:
             check_writable(path, force)
 
@@ -122,6 +127,11 @@ def explain(
     if json and not to_stdout:
         write_json(report_dict(findings), json_path, force)
         notes.print(plain(f"JSON report: {json_path}"))
+    if html is not None:
+        from memprof.report.html import write_report_page
+
+        write_report_page(findings, report_dict(findings), visible(snapshot.name), html, force)
+        notes.print(plain(f"Interactive report: {html}"))
     if plot and findings.devices:
         from memprof.report.plot import plot_timeline  # matplotlib is slow to import
 

@@ -95,6 +95,17 @@ def run(
         "--child", hidden=True, help="A child process the run follows (memprof's own"
         " command line for it): silent, with a report only where it made CUDA tensors.")
         ] = False,
+    nproc_per_node: Annotated[int | None, typer.Option(
+        "--nproc-per-node", min=1, metavar="N", help="Run the script as `torchrun"
+        " --nproc-per-node N` would: N ranks, each a process of its own on a card of its own"
+        " (cuda:LOCAL_RANK; without a GPU, a virtual card of --virtual-gpu's kind); a report"
+        " per rank in one run folder, and the worst rank first.", show_default=False)] = None,
+    nnodes: Annotated[int, typer.Option(
+        "--nnodes", min=1, metavar="M", help="With --nproc-per-node: M nodes of N ranks, all"
+        " run on this machine.")] = 1,
+    cluster_rank: Annotated[bool, flag(
+        "--cluster-rank", hidden=True, help="A rank --nproc-per-node started: silent (the"
+        " launcher prints the summary).")] = False,
     script: Annotated[list[str] | None, typer.Argument(
         metavar="[SCRIPT] [ARGS]...", help="The script and its arguments (with -m: the"
         " module's arguments). Options after the script go to the script.",
@@ -110,7 +121,8 @@ def run(
     viewer) and timeline.png, however the script ends.
 
     Examples: `memprof run train.py --epochs 1`, `memprof run -m mypkg.train`,
-    `torchrun --nproc-per-node 2 -m memprof run train_ddp.py` (one report per rank).
+    `memprof run --nproc-per-node 2 train_ddp.py` or `torchrun --nproc-per-node 2 -m memprof
+    run train_ddp.py` (one report per rank).
     """
     args = list(script or [])
     if module is None and command is None and not args:
@@ -164,6 +176,14 @@ def run(
     if problems and not use_cuda:
         raise MemprofError(f"allocator settings {describe(conf, 100)} for the prediction:"
                            f" {'; '.join(problems)}")
+    if nproc_per_node is not None:  # every rank, each a `memprof run` of its own
+        from memprof.cli.run_cluster import rank_options, run_cluster
+        from memprof.collect.launch.ranks import Ranks
+
+        options = rank_options(card, device, settings.conf, max_entries, top, steps, seconds,
+                               timeline, max_peak)
+        raise typer.Exit(run_cluster(run_command(target)[2:], target.stem,
+                                     Ranks(nnodes, nproc_per_node), output, force, options, card))
     rank, world = torchrun_rank()
     folder = run_folder(target.stem, output, world).absolute()  # the script may chdir
     names = file_names(rank, world)
@@ -206,10 +226,11 @@ def run(
                 print(f"memprof: stopped after {what} as asked", file=sys.stderr)
             with frozen():  # the script has ended: its objects wait for the exit
                 try:
-                    needed = None if card is None or not need or child else NeedCheck(
+                    quiet = child or cluster_rank
+                    needed = None if card is None or not need or quiet else NeedCheck(
                         target, card, settings.conf, steps, folder)
                     code = _finish(recording, target, folder, names, settings.conf, launched,
-                                   top, limit, plot if timeline else None, child, needed)
+                                   top, limit, plot if timeline else None, quiet, needed)
                 except (MemprofError, OSError) as exc:  # the run folder, not the script
                     code = _unwritten(exc, folder, recording.outcome.exit_code)
         except KeyboardInterrupt:
@@ -238,6 +259,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     from memprof.collect.launch.script import torchrun_rank
     from memprof.forked import Forked
     from memprof.heap import trim
+    from memprof.report.html import write_report_page
     from memprof.report.json import report_dict, write_json
     from memprof.report.plot import timeline_panels, timeline_title
     from memprof.report.run_folder import write_snapshot
@@ -269,7 +291,10 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         needed = need(any(d.ooms for d in findings.devices), len(meta["steps"]),
                       recording.seconds) if need is not None else None
         facts = run_facts(recording, meta, target, launched, conf, needed)
-        write_json(report_dict(findings, "run", facts), folder / names["report"])
+        report = report_dict(findings, "run", facts)
+        write_json(report, folder / names["report"])
+        write_report_page(findings, report, shlex.join(run_command(target)[2:]),
+                          folder / names["page"])
         children = child_reports(recording.children)  # those that made CUDA tensors
         if findings.devices:
             if speaks:

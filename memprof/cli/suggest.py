@@ -44,6 +44,10 @@ def suggest(
         " over): its recorded command is never run unasked.", show_default=False)] = None,
     as_json: Annotated[bool, flag(
         "--json", help="Print the advice as JSON (the report schema) instead.")] = False,
+    html: Annotated[Path | None, typer.Option(
+        "--html", metavar="FILE", help="Also write the advice as one offline page (remedies,"
+        " the plan as a waterfall, the run's timeline with the budget) to FILE.",
+        show_default=False)] = None,
 ) -> None:
     """Rank the remedies for a run's peak memory by the bytes each saves in THIS run, and
     plan the cheapest combination that fits the budget, with the code change for each step.
@@ -79,6 +83,10 @@ def suggest(
 
         supervise(time_limit(source.stat().st_size), f"{source}: reading it takes far longer"
                   " than any snapshot of its size needs: a pathological file, refused")
+    if html is not None:
+        from memprof.report.files import check_writable
+
+        check_writable(html, True)  # before any re-run
     run = load_run(source)
     advice = advise(run, chosen, gpus)
     notes = Console(stderr=True, soft_wrap=True, highlight=False)
@@ -97,22 +105,51 @@ def suggest(
             advice, measured = measure(advice, rerun, batch_arg,
                                        lambda what: notes.print(f"memprof: measuring {what} ..."))
         if fit_batch:
-            batch = _fit(rerun, fit_batch, chosen.bytes, notes)
+            batch = _fit(rerun, fit_batch, chosen.bytes, notes,
+                         run.device["peak"]["reserved_bytes"])
+    if html is not None:
+        from memprof.report.html.assemble import write_page
+        from memprof.report.html.pages import suggest_page
+
+        write_page(suggest_page(to_json(advice, measured, batch), run.path, run.report), html,
+                   overwrite=True)
+        notes.print(f"memprof: the advice as a page: {html}")
     if as_json:
         typer.echo(json.dumps(to_json(advice, measured, batch), indent=2))
     else:
         render(advice, Console(soft_wrap=True), measured, batch)
-    fits = advice.start.reserved <= chosen.bytes or advice.plan.fits
+    from memprof.advise.render import plan_fits
+
+    fits = (advice.start.reserved <= chosen.bytes and not advice.run.lower_bound) \
+        or plan_fits(advice, measured or {})
     raise typer.Exit(0 if fits else 1)
 
 
-def _fit(rerun: object, name: str, budget: int, notes: Console) -> dict[str, object]:
+REPRODUCED = 0.05  # a re-run as recorded within this share of the recorded peak reproduces it
+
+
+def _fit(rerun: object, name: str, budget: int, notes: Console, recorded: int
+         ) -> dict[str, object]:
+    """``--fit-batch``: the largest value that fits, unless the re-run at the recorded value
+    does not reproduce the recorded peak (then no answer: the re-runs measure something
+    else, a phase they do not reach, say)."""
     from memprof.advise.rerun import fit_batch
     from memprof.report.units import format_bytes
+
+    first: list[object] = []
 
     def progress(value: int, peak: object) -> None:
         shown = "out of memory" if peak is None else f"{format_bytes(peak.reserved)} reserved"
         notes.print(f"memprof: --{name} {value}: {shown}")
+        if not first:
+            first.append(peak)
 
     value, runs = fit_batch(rerun, name, budget, progress)  # type: ignore[arg-type]
-    return {"arg": name, "largest": value, "runs": runs}
+    again = first[0] if first else None
+    if again is not None and abs(again.reserved - recorded) > REPRODUCED * recorded:
+        why = (f"the re-run at the recorded --{name} measured {format_bytes(again.reserved)}"
+               f" where the run recorded {format_bytes(recorded)}: the re-runs do not reach"
+               " the recorded peak, so their answer is not used")
+        notes.print(f"memprof: {why}")
+        return {"arg": name, "largest": None, "runs": runs, "not_reproduced": why}
+    return {"arg": name, "largest": value, "runs": runs, "not_reproduced": None}

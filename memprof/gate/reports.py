@@ -34,8 +34,15 @@ class Report:
 
 
 def report_path(source: Path) -> Path:
-    """The ``report.json`` that ``source`` (a run folder or the file itself) names."""
-    return source / REPORT_NAME if source.is_dir() else source
+    """The ``report.json`` that ``source`` (a run folder or the file itself) names; in a
+    folder of ranks (``report-rankK.json``), the worst rank's (``report/cluster.py``)."""
+    if not source.is_dir():
+        return source
+    if not (source / REPORT_NAME).exists():
+        from memprof.report.cluster import worst_report
+
+        return worst_report(source) or source / REPORT_NAME
+    return source / REPORT_NAME
 
 
 def load_report(source: Path, role: str) -> Report:

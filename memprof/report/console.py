@@ -87,7 +87,7 @@ def _device(d: DeviceFindings) -> Panel:
     parts.extend(more_ooms(d))
     if d.ooms:
         parts.append(Text(LOWER_BOUND, "bold"))
-    parts.append(_replay(d.replay))
+    parts.append(replay_text(d.replay))
     title = f"device {d.device}" if d.rank is None else f"rank {d.rank}, device {d.device}"
     return Panel(Group(*parts), title=title, title_align="left")
 
@@ -296,6 +296,14 @@ def more_ooms(d: DeviceFindings) -> list[Text]:
 def oom_group(o: Oom, same_as_peak: bool, inferred: bool) -> Group:
     """An out-of-memory event: the request, why it failed, what held the memory
     (``inferred``: its categories come from stacks, the snapshot has no labels)."""
+    head = oom_text(o)
+    if same_as_peak:
+        return Group(Text(""), head, Text("What held the memory: the peak, above.", "bold"))
+    return Group(Text(""), head, _live_tables(o.live, inferred, "at the OOM"))
+
+
+def oom_text(o: Oom) -> Text:
+    """An out-of-memory event's request and why it failed."""
     if o.kind == "fragmentation":
         why = (f"Fragmentation: replayed with expandable segments in the same"
                f" {fb(o.limit_bytes)}, the request fits ({fb(o.expandable_reserved_bytes)}"
@@ -307,17 +315,15 @@ def oom_group(o: Oom, same_as_peak: bool, inferred: bool) -> Group:
                f" {fb(o.limit_bytes)} PyTorch could reserve; replayed with expandable segments"
                f" it does not fit either (not fragmentation). {fb(o.cached_free_bytes)} was"
                " cached free. Reduce what is live (see below) or shard/offload it.")
-    head = Text.assemble(
+    return Text.assemble(
         ("OUT OF MEMORY", "bold white on red"),
         f" at event {o.event_index:,}: asked for {fb(o.requested_bytes)} (tried to obtain"
         f" {fb(o.device_alloc_bytes)} from the device) with {fb(o.allocated_bytes)} allocated"
         f" and {fb(o.reserved_bytes)} reserved.\n", why)
-    if same_as_peak:
-        return Group(Text(""), head, Text("What held the memory: the peak, above.", "bold"))
-    return Group(Text(""), head, _live_tables(o.live, inferred, "at the OOM"))
 
 
-def _replay(r: ReplaySummary) -> Text:
+def replay_text(r: ReplaySummary) -> Text:
+    """The allocator replay's check and its what-ifs."""
     if not r.modelled:
         line = "not modelled"
     elif not r.decisions_total:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from memprof.report.colours import ALLOCATED_COLOUR, CATEGORY_COLOURS, PEAK_COLOUR, RESERVED_COLOUR
 from memprof.report.files import write_atomic
 from memprof.report.text import visible
 
@@ -49,20 +50,23 @@ def _unit(peak: int) -> tuple[str, float]:
     return "B", 1.0
 
 
-def _kept(allocated: np.ndarray, reserved: np.ndarray, peak: int) -> np.ndarray:
-    """The points to draw: all of a short timeline; of a long one, each of ``_BUCKETS``
+def kept_points(allocated: np.ndarray, reserved: np.ndarray, peak: int,
+                buckets: int = _BUCKETS) -> np.ndarray:
+    """The points to draw: all of a short timeline; of a long one, each of ``buckets``
     slices' first point and the highest and lowest allocated and reserved points in it
     (a step plot through them has the full one's outline), the peak and the last."""
     n = len(allocated)
-    if n <= 4 * _BUCKETS:
+    if n <= 4 * buckets:
         return np.arange(n)
-    width = -(-n // _BUCKETS)
+    width = -(-n // buckets)
     starts = np.arange(0, n, width)
     kept = [starts, np.array([peak, n - 1])]
     for values in (allocated, reserved):
         padded = np.pad(values, (0, width * len(starts) - n), mode="edge").reshape(-1, width)
         kept += [starts + padded.argmax(axis=1), starts + padded.argmin(axis=1)]
-    return np.unique(np.concatenate(kept))
+    chosen = np.zeros(n, bool)
+    chosen[np.minimum(np.concatenate(kept), n - 1)] = True  # the padding's are the last's
+    return np.flatnonzero(chosen)
 
 
 def timeline_panels(findings: Findings) -> list[Panel]:
@@ -76,7 +80,7 @@ def timeline_panels(findings: Findings) -> list[Panel]:
             x, xlabel = (x - x[0]) / 1e6, "seconds since the first recorded event"
         else:
             x, xlabel = np.arange(-1, len(t.allocated) - 1), "event"
-        kept = _kept(t.allocated, t.reserved, d.peak_event_index + 1)
+        kept = kept_points(t.allocated, t.reserved, d.peak_event_index + 1)
         categories = None if d.category_timeline is None else {
             name: v[kept] / scale for name, v in d.category_timeline.items()}
         panels.append(Panel(
@@ -119,15 +123,17 @@ def draw_timeline(panels: list[Panel], title: str, path: Path, overwrite: bool =
                         hspace=_GAP_IN / axes_in)
     axes = fig.subplots(n, 1, squeeze=False)
     for ax, p in zip(axes[:, 0], panels, strict=True):
-        ax.step(p.x, p.reserved, where="post", label="reserved", color="black", linewidth=1)
+        ax.step(p.x, p.reserved, where="post", label="reserved", color=RESERVED_COLOUR,
+                linewidth=1)
         if p.categories is not None:
             ax.stackplot(p.x, *p.categories.values(), step="post",
-                         labels=[k.replace("_", " ") for k in p.categories], alpha=0.8)
+                         labels=[k.replace("_", " ") for k in p.categories], alpha=0.8,
+                         colors=[CATEGORY_COLOURS[k] for k in p.categories])
         else:
-            ax.step(p.x, p.allocated, where="post", label="allocated", color="tab:blue")
-        ax.axvline(p.x[p.peak], color="tab:red", linestyle=":", linewidth=1)
+            ax.step(p.x, p.allocated, where="post", label="allocated", color=ALLOCATED_COLOUR)
+        ax.axvline(p.x[p.peak], color=PEAK_COLOUR, linestyle=":", linewidth=1)
         ax.annotate(p.peak_label, (p.x[p.peak], p.allocated[p.peak]),
-                    textcoords="offset points", xytext=(6, -12), color="tab:red", fontsize=9)
+                    textcoords="offset points", xytext=(6, -12), color=PEAK_COLOUR, fontsize=9)
         ax.set_xlabel(p.xlabel)
         ax.set_ylabel(p.unit)
         ax.set_title(f"device {p.device}", loc="left", fontsize=10)

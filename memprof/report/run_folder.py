@@ -35,9 +35,10 @@ def run_folder(stem: str, output: Path | None, world_size: int, base: Path = Pat
 def file_names(rank: int, world_size: int) -> dict[str, str]:
     """The files of one process; ranks get their number in the names."""
     tag = f"-rank{rank}" if world_size > 1 else ""
-    return {key: f"{key}{tag}.{ext}" for key, ext in
-            (("report", "json"), ("snapshot", "pickle"), ("timeline", "png"),
-             ("oom-snapshot", "pickle"), ("profile", "json"))}
+    return {key: f"{stem}{tag}.{ext}" for key, stem, ext in
+            (("report", "report", "json"), ("page", "report", "html"),
+             ("snapshot", "snapshot", "pickle"), ("timeline", "timeline", "png"),
+             ("oom-snapshot", "oom-snapshot", "pickle"), ("profile", "profile", "json"))}
 
 
 def claim(folder: Path, names: dict[str, str], force: bool) -> None:

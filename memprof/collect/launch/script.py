@@ -205,15 +205,18 @@ def _print_user_traceback(hook_before: object) -> None:
     script's own ``sys.excepthook`` when it set one (not the hook it found)."""
     exc_type, exc, tb = sys.exc_info()
     tb = _user_frames(tb)
-    if sys.excepthook is not hook_before and exc_type is not None:
-        try:
-            sys.excepthook(exc_type, exc, tb)  # type: ignore[arg-type]
+    if sys.excepthook is not hook_before and exc_type is not None and exc is not None:
+        kept = exc.__traceback__
+        try:  # the hook may print the exception's own traceback (torch.distributed's does)
+            sys.excepthook(exc_type, exc.with_traceback(tb), tb)
         except BaseException as broken:  # as Python reports a hook that fails
             print("Error in sys.excepthook:", file=sys.stderr)
             hook_tb = broken.__traceback__.tb_next if broken.__traceback__ else None
             traceback.print_exception(type(broken), broken, hook_tb, chain=False)
             print("\nOriginal exception was:", file=sys.stderr)
             traceback.print_exception(exc_type, exc, tb)
+        finally:
+            exc.__traceback__ = kept
     else:
         traceback.print_exception(exc_type, exc, tb)
     # as Python keeps an uncaught exception until its exit: the script's objects in the
@@ -266,6 +269,13 @@ def _package_test(folder: Path) -> Callable[[str], bool]:
     """Whether a code object's file name is in ``folder``."""
     prefix = str(folder) + os.sep
     return lambda name: name.startswith(prefix)
+
+
+def torchrun_local() -> tuple[int, int]:
+    """This process's ``LOCAL_RANK`` and the node's GPU count (``LOCAL_WORLD_SIZE``, at
+    least one more than the rank) as torchrun sets them, else (0, 1)."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return local, max(local + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def torchrun_rank() -> tuple[int, int]:

@@ -21,6 +21,7 @@ import torch.cuda.nvtx
 
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.recorder import VirtualRecorder
+from memprof.collect.virtual.tensor import card_device
 from memprof.trace.events import as_snapshot_events
 
 
@@ -47,7 +48,7 @@ class Stream:
     """A CUDA stream that orders nothing: there is no compute to order."""
 
     def __init__(self, device: object = None, priority: int = 0, **kwargs: object) -> None:
-        self.device = torch.device("cuda", 0)
+        self.device = card_device()
         self.priority = priority
         self.stream_id = 0
         self.cuda_stream = 0
@@ -95,8 +96,8 @@ def _nothing(*args: object, **kwargs: object) -> None:
 
 
 def _exchange_device(device: int) -> int:
-    """The previous device: -1 (no change asked) stays -1, else the only device, 0."""
-    return -1 if device < 0 else 0
+    """The previous device: -1 (no change asked) stays -1, else the card's."""
+    return -1 if device < 0 else card_device().index  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -123,9 +124,10 @@ def signed_like(real: object, stub: Callable[..., Any]) -> Callable[..., Any]:
     return called_as_torch_does
 
 
-def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
+def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow, count: int = 1
              ) -> dict[tuple[Any, str], Callable[..., Any] | type]:
-    """The ``torch.cuda`` replacements for a run on ``card``."""
+    """The ``torch.cuda`` replacements for a run on ``card``, one of ``count`` cards of the
+    node (a rank of a virtual cluster: its own is ``card_device()``, the others idle)."""
     alloc = recorder.allocator
     props = DeviceProperties(card.device_name, *card.capability, card.total_bytes, card.sm_count)
     stream = Stream()
@@ -168,8 +170,8 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
     cuda, memory, nvtx = torch.cuda, torch.cuda.memory, torch.cuda.nvtx
     answers: dict[str, Callable[..., Any] | type] = {
         "is_available": lambda: True,
-        "device_count": lambda: 1,
-        "current_device": lambda: 0,
+        "device_count": lambda: count,
+        "current_device": lambda: card_device().index,
         "set_device": _nothing,
         # torch.cuda.device(i) and device_of(t) swap the current device through these
         "_exchange_device": _exchange_device, "_maybe_exchange_device": _exchange_device,
@@ -233,7 +235,8 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow
         "reset_peak_memory_stats", "reset_accumulated_memory_stats", "memory_stats",
         "empty_cache", "current_stream", "set_stream")},
         "current_accelerator": lambda check_available=False: torch.device("cuda"),
-        "current_device_index": lambda: 0, "current_device_idx": lambda: 0,
+        "current_device_index": answers["current_device"],
+        "current_device_idx": answers["current_device"],
         "set_device_index": _nothing, "set_device_idx": _nothing,
         "device_index": lambda device=None: contextlib.nullcontext(),
         "get_memory_info": mem_get_info}

@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from memprof.collect.virtual.cuda_api import Stream
+from memprof.collect.virtual.tensor import card_device
 from memprof.collect.virtual.unsupported import VirtualGpuUnsupported
-
-_CARD = torch.device("cuda", 0)
 
 
 def data_parallel_patches() -> dict[tuple[Any, str], Callable[..., Any] | type]:
@@ -46,13 +45,14 @@ def _record_stream(tensor: torch.Tensor, stream: object) -> None:
 
 def _on_the_card(devices: Sequence[int | None]) -> None:
     """Refuse devices other than the card's (DataParallel's replicas on several GPUs)."""
-    others = sorted({d for d in devices if d is not None and d > 0})  # -1: the host
+    card = card_device().index
+    others = sorted({d for d in devices if d is not None and d >= 0 and d != card})  # -1: host
     if others:
-        names = ", ".join(f"cuda:{d}" for d in (0, *others))
+        names = ", ".join(f"cuda:{d}" for d in (card, *others))
         raise VirtualGpuUnsupported(
             f"nn.DataParallel (torch.nn.parallel's scatter, gather and broadcast) across"
-            f" {names}", "the virtual GPU is one card, cuda:0", "leave DataParallel its"
-            " default device_ids, [0], or run memprof on a machine with the GPUs")
+            f" {names}", f"the virtual GPU is one card, cuda:{card}", "leave DataParallel"
+            f" its default device_ids, [{card}], or run memprof on a machine with the GPUs")
 
 
 def scatter(tensor: torch.Tensor, devices: Sequence[int], chunk_sizes: Sequence[int] | None,
@@ -62,7 +62,8 @@ def scatter(tensor: torch.Tensor, devices: Sequence[int], chunk_sizes: Sequence[
     _on_the_card(devices)
     chunks = (tensor.split(list(chunk_sizes), dim) if chunk_sizes is not None
               else tensor.chunk(len(devices), dim))
-    return [c if c.device == _CARD else c.to(_CARD, non_blocking=True) for c in chunks]
+    card = card_device()
+    return [c if c.device == card else c.to(card, non_blocking=True) for c in chunks]
 
 
 def gather(tensors: Sequence[torch.Tensor], dim: int, destination: int | None) -> torch.Tensor:
@@ -74,7 +75,7 @@ def gather(tensors: Sequence[torch.Tensor], dim: int, destination: int | None) -
     channels_last = all(t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
                         and not t.is_contiguous() for t in tensors)
     out = torch.empty(shape, dtype=tensors[0].dtype,
-                      device="cpu" if destination == -1 else _CARD,
+                      device="cpu" if destination == -1 else card_device(),
                       memory_format=torch.channels_last if channels_last
                       else torch.contiguous_format)
     start = 0
@@ -87,7 +88,8 @@ def gather(tensors: Sequence[torch.Tensor], dim: int, destination: int | None) -
 def broadcast(tensor: torch.Tensor, devices: Sequence[int]) -> list[torch.Tensor]:
     """``_broadcast``: ``tensor`` on each device, itself where it already is."""
     _on_the_card(devices)
-    return [tensor if tensor.device == _CARD else tensor.to(_CARD, copy=True) for _ in devices]
+    card = card_device()
+    return [tensor if tensor.device == card else tensor.to(card, copy=True) for _ in devices]
 
 
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], devices: Sequence[int],

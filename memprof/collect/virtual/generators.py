@@ -3,7 +3,7 @@ is on CUDA.
 
 A CPU build of PyTorch cannot make a CUDA generator. Random operators on virtual tensors
 draw no values (their meta kernels take any generator), so a host generator stands in:
-seeding and states work as on the host, and ``device`` answers ``cuda:0``. While the
+seeding and states work as on the host, and ``device`` answers the card's, ``cuda:0``. While the
 virtual GPU is installed, ``torch.Generator`` is `VirtualGenerator`; every generator,
 those made before included, is still an instance of it.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from memprof.collect.virtual.routing import is_cuda_device
-from memprof.collect.virtual.tensor import CUDA
+from memprof.collect.virtual.tensor import card_device
 
 _Generator = torch._C.Generator
 
@@ -43,4 +43,4 @@ class VirtualGenerator(_Generator, metaclass=_AnyGenerator):
 
     @property
     def device(self) -> torch.device:  # type: ignore[override]
-        return CUDA if self._on_cuda else _Generator.device.__get__(self)
+        return card_device() if self._on_cuda else _Generator.device.__get__(self)

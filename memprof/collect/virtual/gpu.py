@@ -12,9 +12,10 @@ is real while small and storage-less when big (``host_state.py``), checkpoints s
 load (``checkpoints.py``), ``torch.Generator(device="cuda")`` is a host generator that says
 it is on CUDA (``generators.py``), sizes that depend on values are taken at their largest
 (``value_sizes.py``), CUDA graphs capture into private pools and replay without allocating
-(``cuda_graphs.py``), a process group over NCCL is refused in one line
-(``distributed.py``), and ``torch.compile`` returns the function unchanged, with a notice:
-compiled code runs eagerly.
+(``cuda_graphs.py``), process groups get a backend whose collectives move no data
+(``distributed.py``, ``collectives.py``; DDP's reducer allocates on the card: ``ddp.py``),
+and ``torch.compile`` returns the function unchanged, with a notice: compiled code runs
+eagerly. In a rank of a virtual cluster the card is ``cuda:LOCAL_RANK``.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ from memprof.collect.virtual.checkpoints import Checkpoints
 from memprof.collect.virtual.cuda_api import HistoryWindow, cuda_api
 from memprof.collect.virtual.cuda_graphs import CudaGraphs
 from memprof.collect.virtual.data_parallel import data_parallel_patches
-from memprof.collect.virtual.distributed import nccl_refusal
+from memprof.collect.virtual.ddp import ddp_patches
+from memprof.collect.virtual.distributed import ProcessGroups
 from memprof.collect.virtual.extensions import Extensions
 from memprof.collect.virtual.generators import VirtualGenerator
 from memprof.collect.virtual.host_state import HostState
 from memprof.collect.virtual.recorder import VirtualRecorder
 from memprof.collect.virtual.routing import CudaRouting, module_to
-from memprof.collect.virtual.tensor import VirtualTensor
+from memprof.collect.virtual.tensor import VirtualTensor, set_card_index
 from memprof.collect.virtual.value_sizes import LargestSizes
 from memprof.trace.model import AllocatorSettings
 
@@ -51,8 +53,9 @@ class VirtualGpu:
 
     def __init__(self, card: Card, settings: AllocatorSettings,
                  settings_dict: dict[str, Any] | None = None, announce: str | None = None,
-                 max_entries: int | None = None) -> None:
+                 max_entries: int | None = None, index: int = 0, count: int = 1) -> None:
         self.card = card
+        self.index, self.count = index, count  # cuda:index, one of count cards of the node
         self.recorder = VirtualRecorder(card, settings, announce, max_entries)
         self.history = HistoryWindow(self.recorder, settings_dict or {})
         self._routing = CudaRouting(card)
@@ -63,9 +66,11 @@ class VirtualGpu:
         self._sizes = LargestSizes()
         self._graphs = CudaGraphs(self.recorder.placer)
         self._extensions = Extensions()  # bitsandbytes, and libraries' parameter classes
+        self._groups = ProcessGroups(self._install)  # DTensor's patches: with the first group
 
     def __enter__(self) -> VirtualGpu:
-        patches = cuda_api(self.card, self.recorder, self.history)
+        set_card_index(self.index)
+        patches = cuda_api(self.card, self.recorder, self.history, self.count)
         patches[(torch, "compile")] = EagerCompile("virtual GPU")
         patches[(torch, "clear_autocast_cache")] = _clear_autocast_cache
         patches[(torch, "Generator")] = VirtualGenerator
@@ -74,8 +79,9 @@ class VirtualGpu:
         patches.update(self._host_state.patches())
         patches.update(self._checkpoints.patches())
         patches.update(self._graphs.patches())
-        patches.update(nccl_refusal())
+        patches.update(self._groups.patches())
         patches.update(data_parallel_patches())
+        patches.update(ddp_patches())
         # on the tensor, not in the routing mode: DataLoader pins batches on a thread of its
         # own, where the (thread-local) mode does not reach
         patches[(torch.Tensor, "pin_memory")] = _pinned
@@ -83,11 +89,7 @@ class VirtualGpu:
         patches[(torch.autograd, "_engine_run_backward")] = self._backward
         patches[(torch._C, "_group_tensors_by_device_and_dtype")] = _grouped_on_card(
             torch._C._group_tensors_by_device_and_dtype)
-        seen: set[int] = set()
-        for (owner, name), value in patches.items():
-            self._saved[(owner, name)] = getattr(owner, name, _ABSENT)
-            setattr(owner, name, _copy(value) if id(value) in seen else value)
-            seen.add(id(value))
+        self._install(patches)
         for foreach_types in _FOREACH_TYPES:  # the optimizers' list, and clip_grad's
             foreach_types.append(VirtualTensor)
         VirtualTensor.on_create = self.recorder.adopt
@@ -99,6 +101,14 @@ class VirtualGpu:
         inherited(self._routing)  # threads the script starts make CUDA tensors virtual too
         self._routing.__enter__()
         return self
+
+    def _install(self, patches: dict[tuple[Any, str], Any]) -> None:
+        """Set each (owner, name) to its value until ``__exit__`` puts back what was there."""
+        seen: set[int] = set()
+        for (owner, name), value in patches.items():
+            self._saved.setdefault((owner, name), getattr(owner, name, _ABSENT))
+            setattr(owner, name, _copy(value) if id(value) in seen else value)
+            seen.add(id(value))
 
     def _backward(self, *args: Any, **kwargs: Any) -> Any:
         """The autograd engine, run with the routing mode on its stack.
@@ -132,6 +142,7 @@ class VirtualGpu:
             else:
                 setattr(owner, name, value)
         self._saved.clear()
+        set_card_index(0)
 
 
 def _grouped_on_card(group: Any) -> Any:

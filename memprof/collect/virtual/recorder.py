@@ -26,7 +26,8 @@ from memprof.collect.tensors import tensors_in
 from memprof.collect.virtual import kernel_memory
 from memprof.collect.virtual.accumulate import ADD, accumulates_in_place
 from memprof.collect.virtual.cards import Card
-from memprof.collect.virtual.tensor import CUDNN_ATTENTION, VirtualTensor
+from memprof.collect.virtual.dtensors import on_card
+from memprof.collect.virtual.tensor import CUDNN_ATTENTION, VirtualTensor, card_device
 from memprof.collect.virtual.workspaces import CublasWorkspaces, blas_workspace_sizes
 from memprof.trace.events import ADDR, STACK, TIME_US, OomEvent, Stack, TraceEvent
 from memprof.trace.model import WORKSPACE, AllocatorSettings
@@ -128,7 +129,7 @@ class VirtualRecorder(_BesideTheVirtualGpu):
         """A worker's batch is host memory: not the card's."""
 
     def _record(self, out: object, func: object, args: tuple, kwargs: dict) -> None:
-        virtual = [t for t in tensors_in(out) if type(t) is VirtualTensor]  # not host ones
+        virtual = [v for t in tensors_in(out) for v in _card_tensors(t)]  # not host ones
         if not virtual:
             return
         if func is CUDNN_ATTENTION:  # MHA.cpp makes the RNG seed and offset first
@@ -229,6 +230,14 @@ class VirtualRecorder(_BesideTheVirtualGpu):
         return torch.OutOfMemoryError(oom_message(self.card, oom, free, self.allowed))
 
 
+def _card_tensors(t: torch.Tensor) -> list[VirtualTensor]:
+    """The virtual CUDA tensors ``t`` is: itself, or a DTensor's local tensor."""
+    if type(t) is VirtualTensor:
+        return [t]
+    local = getattr(t, "_local_tensor", None) if on_card(t) else None
+    return [local] if type(local) is VirtualTensor else []
+
+
 def _release(blocks: list[VirtualTensor]) -> None:
     """Free ``blocks``, last first: each pop drops its last reference, recording the free."""
     while blocks:
@@ -250,8 +259,9 @@ def oom_message(card: Card, oom: OutOfMemory, free: int, allowed: int | None = N
     """The message ``CUDACachingAllocator.cpp`` raises, for the card's numbers."""
     in_use = card.total_bytes - free
     cap = "" if allowed is None else f"{format_size(allowed)} allowed; "
-    return (f"CUDA out of memory. Tried to allocate {format_size(oom.device_alloc)}. GPU 0 has a"
-            f" total capacity of {format_size(card.total_bytes)} of which {format_size(free)}"
+    gpu = card_device().index
+    return (f"CUDA out of memory. Tried to allocate {format_size(oom.device_alloc)}. GPU {gpu}"
+            f" has a total capacity of {format_size(card.total_bytes)} of which {format_size(free)}"
             f" is free. Including non-PyTorch memory, this process has {format_size(in_use)}"
             f" memory in use. {cap}Of the allocated memory {format_size(oom.allocated)} is"
             f" allocated by PyTorch, and {format_size(oom.reserved - oom.allocated)} is reserved by"

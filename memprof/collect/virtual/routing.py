@@ -26,6 +26,7 @@ from torch.utils._device import DeviceContext, _device_constructors
 from memprof.collect.virtual import values
 from memprof.collect.virtual.attention import sdpa
 from memprof.collect.virtual.cards import Card
+from memprof.collect.virtual.dtensors import is_dtensor, on_card, with_local
 from memprof.collect.virtual.subclasses import SET_DATA, kind_of, set_data
 from memprof.collect.virtual.tensor import VirtualTensor, adopt, virtual_like
 
@@ -83,6 +84,8 @@ class CudaRouting(TorchFunctionMode):
             out = func(*args, **{**kwargs, "device": _META})
             if not isinstance(out, torch.Tensor):
                 return out
+            if is_dtensor(out):  # a DTensor made like another (to_empty): its local tensor
+                return with_local(out, _on_device(out._local_tensor))
             made = _on_device(out)
             if made.value is None and values.small(out):  # a small one gets its values
                 hosted = values.twins(args, {**kwargs, "device": _CPU}, VirtualTensor)
@@ -139,7 +142,7 @@ def _default_device() -> torch.device | None:
 
 
 def _to_cuda(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if kind_of(t) is VirtualTensor:  # a library's parameter class too (``subclasses.py``)
+    if kind_of(t) is VirtualTensor or on_card(t):  # a library's parameter class, a DTensor
         return t if dtype is None or dtype == t.dtype else t.to(dtype)
     return virtual_like(t, dtype)
 
@@ -180,7 +183,7 @@ def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torc
         args, {k: v for k, v in kwargs.items() if k != "copy"})
     if device is None or device.type != "cuda":
         return func(t, *args, **kwargs)
-    if kind_of(t) is not VirtualTensor:
+    if kind_of(t) is not VirtualTensor and not on_card(t):
         return virtual_like(t, dtype)
     return func(t, device=_META, dtype=dtype or t.dtype, non_blocking=non_blocking,
                 copy=kwargs.get("copy", False),

@@ -7,7 +7,7 @@ from typing import Any
 
 from memprof.collect.cpu.recorder import CpuRecorder
 from memprof.collect.launch.children import FollowedChildren
-from memprof.collect.launch.script import Target
+from memprof.collect.launch.script import Target, torchrun_local
 from memprof.collect.recording import (
     Recording,
     RunOptions,
@@ -30,7 +30,9 @@ def record(target: Target, options: RunOptions, card: Card, announce: str | None
     their own, each recorded into ``options.folder`` (``children.py``).
     """
     settings = options.settings
-    gpu = VirtualGpu(card, settings, settings_dict(settings), announce, options.max_entries)
+    index, count = torchrun_local()  # a rank of a cluster: its card is cuda:LOCAL_RANK
+    gpu = VirtualGpu(card, settings, settings_dict(settings), announce, options.max_entries,
+                     index, count)
     recorder = CpuRecorder(gpu.recorder)
     children = None if options.folder is None else FollowedChildren(options.folder, [
         *card_args(card), "--alloc-conf", settings.conf,

@@ -2,8 +2,9 @@
 
 A :class:`VirtualTensor` wraps a ``meta`` tensor. To C++ (autograd, dispatch) it is a
 meta tensor, which every CPU-only build supports; to Python it says ``device cuda:0``
-and ``is_cuda``. Every operator on it runs on the meta tensor inside and wraps the
-result, so outputs, gradients and optimizer state are virtual CUDA tensors too.
+(``cuda:LOCAL_RANK`` in a rank of a virtual cluster: ``set_card_index``) and ``is_cuda``.
+Every operator on it runs on the meta tensor inside and wraps the result, so outputs,
+gradients and optimizer state are virtual CUDA tensors too.
 A small one keeps real values beside it (``values.py``); a large one has none, and its
 ``.item()``, ``.tolist()``, printing and ``.numpy()`` give placeholders (zeros), announced
 once on stderr with the script's line. A :class:`HostVirtualTensor` is the
@@ -21,15 +22,20 @@ from torch.utils._pytree import tree_map
 
 from memprof.collect.virtual import values
 from memprof.collect.virtual.autocast import AUTOCAST_CUDA
+from memprof.collect.virtual.collectives import COLLECTIVES, collective
 from memprof.collect.virtual.kernel_memory import output_storage_bytes
 from memprof.collect.virtual.meta_cache import MetaCache
 from memprof.collect.virtual.value_sizes import note_sized_by_values, unsupported_operator
 
-CUDA = torch.device("cuda", 0)
+CUDA = torch.device("cuda", 0)  # the card's device: set_card_index changes it
 _CPU = torch.device("cpu")
 _META = torch.device("meta")
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
 _TO_COPY = torch.ops.aten._to_copy.default
+# ``t.set_(source)`` (FSDP1's flat parameter, swapped between its shard and the full one)
+_SETS = {torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.source_Storage,
+         torch.ops.aten.set_.source_Storage_storage_offset}
+_PYTHON_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
 # its outputs 2 and 3, the dropout RNG's seed and offset, are host scalars on a card
 # (attention.cu makes device ones only while a CUDA graph is captured)
 _EFFICIENT_ATTENTION = torch.ops.aten._scaled_dot_product_efficient_attention.default
@@ -39,6 +45,17 @@ CUDNN_ATTENTION = torch.ops.aten._scaled_dot_product_cudnn_attention.default
 _run_meta = MetaCache()
 _told = False
 _PACKAGE = __file__.rsplit("memprof", 1)[0] + "memprof"
+
+
+def set_card_index(index: int) -> None:
+    """Make ``cuda:index`` the virtual card's device (a rank's ``LOCAL_RANK``)."""
+    global CUDA
+    CUDA = torch.device("cuda", index)
+
+
+def card_device() -> torch.device:
+    """The virtual card's device, ``cuda:0`` unless ``set_card_index`` said otherwise."""
+    return CUDA
 
 
 def placeholder_notice() -> None:
@@ -109,7 +126,7 @@ class VirtualTensor(torch.Tensor):
         return False
 
     def get_device(self) -> int:
-        return 0
+        return CUDA.index  # type: ignore[return-value]
 
     def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
         """The inner meta tensor's storage: the one the recorder tracks, and the one a
@@ -120,9 +137,9 @@ class VirtualTensor(torch.Tensor):
         grad = ", requires_grad=True" if self.requires_grad else ""
         if self.value is not None:  # as torch prints a CUDA tensor
             text = repr(self.value.detach())
-            return f"{text[:-1]}, device='cuda:0'{grad})"
+            return f"{text[:-1]}, device='{CUDA}'{grad})"
         placeholder_notice()
-        return (f"tensor(<virtual>, device='cuda:0', size={tuple(self.shape)},"
+        return (f"tensor(<virtual>, device='{CUDA}', size={tuple(self.shape)},"
                 f" dtype={self.dtype}{grad})")
 
     def __format__(self, spec: str) -> str:
@@ -182,6 +199,8 @@ class VirtualTensor(torch.Tensor):
         if func is _LOCAL_SCALAR:
             value = args[0].value
             return value.item() if value is not None else _placeholder(args[0].dtype)
+        if func in COLLECTIVES:  # written in place, nothing exchanged (collectives.py)
+            return collective(func, args, lambda meta: adopt(VirtualTensor(meta)))
         hosted = values.twins(args, kwargs, VirtualTensor)  # None: an input has no values
         to_host = func is _TO_COPY and _is_host(kwargs.get("device"))
         if to_host:  # a copy to the host: a host tensor, still without storage
@@ -201,6 +220,8 @@ class VirtualTensor(torch.Tensor):
                 if real is not None and not getattr(func, "is_view", False) \
                         and values.shapes(real) != values.shapes(out):
                     out = values.meta_like(real)  # sized by its values: nonzero, a mask
+        if func in _SETS and isinstance(args[0], VirtualTensor):
+            return _set(args[0], out)
         if real is None:
             note_sized_by_values(func, args)
             values.forget_written(func, args, VirtualTensor)
@@ -248,6 +269,16 @@ class HostVirtualTensor(VirtualTensor):
     def __tensor_unflatten__(inner: dict, meta: object, sizes: object, strides: object
                              ) -> VirtualTensor:
         return HostVirtualTensor(inner["elem"])
+
+
+def _set(target: VirtualTensor, elem: torch.Tensor) -> VirtualTensor:
+    """``target.set_(...)`` done on its meta tensor (``elem``, now on the new storage): the
+    wrapper takes its sizes, strides and offset too (C++'s ``set_`` on the wrapper itself,
+    past this dispatch), and it becomes ``target``'s inside."""
+    with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEY):
+        torch.ops.aten.set_.source_Tensor(target, elem)
+    target.elem, target.value = elem, None
+    return target
 
 
 def _map(fn: Callable[[Any], Any], x: Any) -> Any:

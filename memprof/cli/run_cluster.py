@@ -1,0 +1,71 @@
+"""``memprof run --nproc-per-node N``: every rank of a distributed run, each profiled.
+
+Each rank is a ``memprof run`` of its own (``--cluster-rank``: quiet, its report forced
+into the run folder), started as torchrun starts ranks (``collect/launch/ranks.py``), on a
+virtual card of its own where there is no GPU; this process prints the answer for the
+whole run (``report/cluster.py``) and exits with the first failed rank's code.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from memprof.collect.launch.ranks import Ranks, run_ranks
+from memprof.collect.virtual.cards import Card, card_args
+from memprof.report.cluster import read_cluster, render_cluster
+from memprof.report.run_folder import claim, file_names, run_folder
+from memprof.report.text import plain
+
+
+def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None,
+                force: bool, options: list[str], card: Card | None) -> int:
+    """Run ``command`` (the script and its arguments, as after ``memprof run``) as
+    ``ranks``, each rank under ``memprof run OPTIONS`` on a virtual ``card`` (None: a GPU);
+    print the summary; the exit code."""
+    folder = run_folder(stem, output, 1).absolute()
+    for rank in range(ranks.world_size):  # every rank's files, before any rank starts
+        claim(folder, file_names(rank, ranks.world_size), force)
+    notes = Console(stderr=True, soft_wrap=True, highlight=False)
+    world = ranks.world_size
+    layout = f"{ranks.nodes} nodes x {ranks.per_node}" if ranks.nodes > 1 else "one node"
+    where = f"a virtual {card.name}" if card else "a GPU"
+    notes.print(plain(f"memprof: {world} rank{'s' * (world > 1)} ({layout}), each a process"
+                      f" of its own on {where} of its own"))
+    exits = run_ranks(ranks, [sys.executable, "-m", "memprof", "run", "--cluster-rank",
+                              "--force", "--no-need", "-o", str(folder), *options, *command])
+    sys.stdout.flush()
+    cluster = read_cluster(folder, world)
+    notes.print(plain(f"memprof run {shlex.join(command)}: {world} ranks on"
+                      f" {cluster.card or 'the GPUs'}"))
+    render_cluster(cluster, notes)
+    notes.print()
+    notes.print(plain(f"Run folder: {folder}/ (a report and a snapshot per rank)"))
+    notes.print(plain(f"Next: memprof explain {folder}"))
+    failed = [e for e in exits if e.code and not e.stopped]
+    return _exit_code(failed[0].code) if failed else 0
+
+
+def _exit_code(code: int) -> int:
+    """A rank's exit code as a shell shows it (killed by signal N: 128 + N)."""
+    return 128 - code if code < 0 else code
+
+
+def rank_options(card: Card | None, device: str, conf: str, max_entries: int, top: int,
+                 steps: int | None, seconds: float | None, timeline: bool,
+                 max_peak: str | None) -> list[str]:
+    """The ``memprof run`` options each rank runs with, from this run's."""
+    options = card_args(card) if card is not None else ["--device", device]
+    options += ["--alloc-conf", conf, "--max-entries", str(max_entries), "--top", str(top)]
+    if steps is not None:
+        options += ["--steps", str(steps)]
+    if seconds is not None:
+        options += ["--seconds", repr(seconds)]
+    if not timeline:
+        options.append("--no-timeline")
+    if max_peak is not None:
+        options += ["--max-peak", max_peak]
+    return options

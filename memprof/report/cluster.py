@@ -1,0 +1,170 @@
+"""The ranks of a distributed run read from their reports: the answer first, then each rank.
+
+    cluster = read_cluster(folder)       # report-rank*.json, each rank's own report
+    render_cluster(cluster, console)     # "fits: worst rank 1.20 GiB of 80.00 GiB (rank 0)"
+    worst_report(folder)                 # the report check and suggest read in such a folder
+
+A rank's card holds its peak reserved memory and the CUDA context; the worst rank is the
+one whose card holds the most. A rank that ran out of memory answers instead: the first
+(the fewest optimizer steps done, then the lowest rank), with PyTorch's message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from memprof.report.text import visible
+from memprof.report.units import format_bytes as fb
+
+_RANK_REPORT = re.compile(r"report-rank(\d+)\.json")
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """One rank's peak, from its report (``None``: it wrote none)."""
+
+    rank: int
+    report: Path | None
+    allocated: int = 0
+    reserved: int = 0
+    context: int = 0  # the card's CUDA context, as its report assumed or measured
+    total: int = 0  # the card's memory (0: not a virtual card)
+    steps: int = 0
+    exit: dict[str, Any] | None = None
+    out_of_memory: bool = False
+    card: str = ""  # the card it ran on, as its report names it
+
+    @property
+    def on_card(self) -> int:
+        """What the card holds at the peak: reserved memory and the CUDA context."""
+        return self.reserved + self.context
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Every rank of a run that was asked for, and the card each ran on."""
+
+    ranks: list[RankPeak]
+    card: str
+
+    @property
+    def written(self) -> list[RankPeak]:
+        return [r for r in self.ranks if r.report is not None]
+
+    def worst(self) -> RankPeak | None:
+        """The rank whose card holds the most at its peak (the lowest such rank)."""
+        return max(self.written, key=lambda r: (r.on_card, -r.rank), default=None)
+
+    def first_out_of_memory(self) -> RankPeak | None:
+        """The rank that ran out of memory first: the fewest steps done, then the lowest."""
+        return min((r for r in self.written if r.out_of_memory),
+                   key=lambda r: (r.steps, r.rank), default=None)
+
+
+def rank_reports(folder: Path) -> dict[int, Path]:
+    """The ranks' reports in a run folder, by rank."""
+    found = {}
+    for path in folder.glob("report-rank*.json"):
+        match = _RANK_REPORT.fullmatch(path.name)
+        if match:
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def read_cluster(folder: Path, world_size: int | None = None) -> Cluster:
+    """The ranks of the run in ``folder``; with ``world_size``, the ranks without a report
+    too."""
+    reports = rank_reports(folder)
+    ranks = range(world_size) if world_size is not None else list(reports)
+    peaks = [_peak(rank, reports[rank]) if rank in reports else RankPeak(rank, None)
+             for rank in ranks]
+    return Cluster(peaks, next((p.card for p in peaks if p.card), ""))
+
+
+def _peak(rank: int, path: Path) -> RankPeak:
+    """A rank's peak from its report; as a rank without one where it cannot be read as one
+    (``check`` and ``suggest`` say what is wrong with the report they read)."""
+    try:
+        data = json.loads(path.read_bytes())
+        run, devices = data.get("run") or {}, data.get("devices") or []
+        gpu = run.get("virtual_gpu") or {}
+        return RankPeak(rank, path, max((int(d["peak"]["allocated_bytes"]) for d in devices),
+                                     default=0),
+                     max((int(d["peak"]["reserved_bytes"]) for d in devices), default=0),
+                     int(gpu.get("context_bytes", 0)), int(gpu.get("total_bytes", 0)),
+                     int(run.get("optimizer_steps") or 0), run.get("exit"),
+                     any(d.get("oom") for d in devices),
+                     str(gpu.get("spec") or run.get("device") or ""))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return RankPeak(rank, None)
+
+
+def worst_report(folder: Path) -> Path | None:
+    """The report of the worst rank of a run folder of ranks (None: not such a folder)."""
+    worst = read_cluster(folder).worst()
+    return worst.report if worst is not None else None
+
+
+def answer(cluster: Cluster) -> str:
+    """The line that leads: whether the worst rank fits its card, or the first rank that
+    ran out of memory and PyTorch's message for it; first, a rank that failed otherwise."""
+    verdict = _verdict(cluster)
+    failed = next((r for r in cluster.ranks if r.report is None or (
+        not r.out_of_memory and (r.exit or {}).get("code"))), None)
+    if failed is None:
+        return verdict or "no rank wrote a report"
+    ended = failed.exit or {}
+    why = (f"rank {failed.rank} wrote no report" if failed.report is None else
+           f"rank {failed.rank} {ended.get('status')} (exit code {ended.get('code')})")
+    return f"{why}; {verdict}" if verdict else why
+
+
+def _verdict(cluster: Cluster) -> str:
+    """Whether the worst rank fits, or the first out of memory ("": no report)."""
+    first = cluster.first_out_of_memory()
+    if first is not None:
+        error = (first.exit or {}).get("error") or "out of memory"
+        return (f"out of memory on rank {first.rank} at step {first.steps + 1}:"
+                f" {error.split(' See documentation')[0].strip()}")
+    worst = cluster.worst()
+    if worst is None:
+        return ""
+    if not worst.total:
+        return f"worst rank: {fb(worst.reserved)} reserved at its peak (rank {worst.rank})"
+    verdict = "fits" if worst.on_card <= worst.total else "does not fit"
+    return f"{verdict}: worst rank {fb(worst.on_card)} of {fb(worst.total)} (rank {worst.rank})"
+
+
+def render_cluster(cluster: Cluster, console: Console) -> None:
+    """The answer, then a row per rank and how uneven they are."""
+    console.print(Text(visible(answer(cluster)), "bold"))
+    t = Table(box=None, header_style="bold")
+    for col in ("rank", "peak allocated", "peak reserved", "on the card", "headroom", "ended"):
+        t.add_column(col, justify="right" if col != "ended" else "left")
+    for r in cluster.ranks:
+        if r.report is None:
+            t.add_row(str(r.rank), "", "", "", "", "no report")
+            continue
+        ended = (r.exit or {}).get("status", "")
+        if r.out_of_memory:
+            ended = "out of memory"
+        t.add_row(str(r.rank), fb(r.allocated), fb(r.reserved), fb(r.on_card),
+                  fb(r.total - r.on_card) if r.total else "", ended)
+    console.print(t)
+    written = cluster.written
+    if len(written) > 1:
+        high = max(written, key=lambda r: (r.reserved, -r.rank))
+        low = min(written, key=lambda r: (r.reserved, r.rank))
+        spread = high.reserved - low.reserved
+        console.print(Text(
+            "Every rank peaks at the same reserved memory." if not spread else
+            f"Ranks differ by {fb(spread)} reserved at their peaks (rank {high.rank} the most,"
+            f" rank {low.rank} the least).", "dim"))
