@@ -39,6 +39,17 @@ def _own_config_folder(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _not_a_rank() -> None:
+    """A runner that sets torchrun's variables (``RANK``, ``MASTER_PORT``...) would make
+    every script the suite runs a rank of a distributed job; the suite's runs are single
+    processes unless a test launches ranks itself."""
+    for name in ("RANK", "LOCAL_RANK", "GROUP_RANK", "NODE_RANK", "ROLE_RANK", "WORLD_SIZE",
+                 "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(name, None)
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _bytecode_kept(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Under PYTHONDONTWRITEBYTECODE each of the suite's few hundred processes would compile
     memprof's modules again (about 0.3 s each): they keep the bytecode in a folder of the

@@ -289,6 +289,7 @@ def test_ddp_under_torchrun_holds_the_full_model_per_rank(runs: dict[str, Future
 def test_a_world_of_one_is_the_single_gpu_run(runs: dict[str, Future[Any]]) -> None:
     cluster, alone, where = runs["one_rank"].result()
     assert cluster.code == 0 and alone.code == 0, cluster.stderr[-3000:] + alone.stderr[-3000:]
+    assert ": 1 rank on H100 80GB" in cluster.stderr and "no report" not in cluster.stderr
     one, single = (report(where / "cluster")["devices"][0],
                    report(where / "alone")["devices"][0])
     assert one["peak"]["allocated_bytes"] == single["peak"]["allocated_bytes"]

@@ -33,13 +33,14 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     world = ranks.world_size
     layout = f"{ranks.nodes} nodes x {ranks.per_node}" if ranks.nodes > 1 else "one node"
     where = f"a virtual {card.name}" if card else "a GPU"
-    notes.print(plain(f"memprof: {world} rank{'s' * (world > 1)} ({layout}), each a process"
-                      f" of its own on {where} of its own"))
+    ranks_word = f"{world} rank{'s' * (world > 1)}"
+    notes.print(plain(f"memprof: {ranks_word} ({layout}), each a process of its own on"
+                      f" {where} of its own"))
     exits = run_ranks(ranks, [sys.executable, "-m", "memprof", "run", "--cluster-rank",
                               "--force", "--no-need", "-o", str(folder), *options, *command])
     sys.stdout.flush()
     cluster = read_cluster(folder, world)
-    notes.print(plain(f"memprof run {shlex.join(command)}: {world} ranks on"
+    notes.print(plain(f"memprof run {shlex.join(command)}: {ranks_word} on"
                       f" {cluster.card or 'the GPUs'}"))
     render_cluster(cluster, notes)
     notes.print()

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from memprof.report.run_folder import file_names
 from memprof.report.text import visible
 from memprof.report.units import format_bytes as fb
 
@@ -82,7 +83,11 @@ def rank_reports(folder: Path) -> dict[int, Path]:
 def read_cluster(folder: Path, world_size: int | None = None) -> Cluster:
     """The ranks of the run in ``folder``; with ``world_size``, the ranks without a report
     too."""
-    reports = rank_reports(folder)
+    if world_size is None:
+        reports = rank_reports(folder)
+    else:  # a world of one writes report.json, as a single run does
+        reports = {rank: path for rank in range(world_size)
+                   if (path := folder / file_names(rank, world_size)["report"]).is_file()}
     ranks = range(world_size) if world_size is not None else list(reports)
     peaks = [_peak(rank, reports[rank]) if rank in reports else RankPeak(rank, None)
              for rank in ranks]
