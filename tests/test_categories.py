@@ -6,10 +6,11 @@ import importlib.util
 
 import pytest
 
+from memprof.analysis.categories import Phase, infer_category
 from memprof.analysis.explain import explain
 from memprof.collect.cpu.recorder import CpuRecorder
 from memprof.collect.recording import predict_cuda_layout
-from memprof.trace.model import AllocatorSettings
+from memprof.trace.model import AllocatorSettings, Frame
 from memprof.trace.normalize import normalize
 from tests.conftest import ROOT
 
@@ -39,3 +40,18 @@ def test_inference_matches_exact_labels_on_model_state(recorded_transformer):
     saved, inferred_saved = exact.at_peak.categories["activations"], \
         inferred.at_peak.categories["activations"]
     assert abs(inferred_saved - saved) <= 0.05 * saved
+
+
+def test_a_foreign_snapshots_collective_buffers_are_inferred_from_their_innermost_frame(
+        ) -> None:
+    fsdp = Frame("/x/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", 351,
+                 "foreach_all_gather")
+    user = Frame("/u/train.py", 9, "main")
+    cpp = Frame("??", 0, "c10::cuda::CUDACachingAllocator::malloc")
+    gathered = (cpp, fsdp, user)
+    assert infer_category(gathered, Phase.FORWARD, Phase.FORWARD) == "communication"
+    # a reduce-scatter output kept past backward is the sharded gradient
+    assert infer_category(gathered, Phase.BACKWARD, None) == "gradients"
+    forward = (cpp, Frame("/u/model.py", 3, "forward"),
+               Frame("/x/torch/nn/parallel/distributed.py", 1, "forward"), user)
+    assert infer_category(forward, Phase.FORWARD, Phase.FORWARD) == "temporaries"

@@ -61,6 +61,35 @@ def test_the_latest_alloc_wins_a_tie_and_a_freed_one_yields_to_the_next() -> Non
         3, "parameters"]
 
 
+FSDP = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
+
+
+def _made_by(event: dict[str, Any], *calls: tuple[str, str]) -> dict[str, Any]:
+    """``event`` with a stack of C++ frames then ``calls`` (filename, name), innermost
+    first, as PyTorch's history records it."""
+    return {**event, "frames": [{"filename": "??", "line": 0, "name": "c10::alloc"}] + [
+        {"filename": f, "line": 7, "name": n} for f, n in calls]}
+
+
+def test_what_a_collective_made_is_a_communication_buffer_unless_it_is_model_state() -> None:
+    user = ("/u/train.py", "main")
+    gathered = _made_by(_alloc(0x1000, 512, 10), (FSDP, "foreach_all_gather"), user)
+    behind_a_decorator = _made_by(
+        _alloc(0x2000, 512, 11), ("/x/torch/_dynamo/eval_frame.py", "_fn"),
+        ("/x/torch/_compile.py", "inner"), ("/x/torch/nn/parallel/distributed.py", "_pre_forward"))
+    sharded_gradient = _made_by(_alloc(0x3000, 512, 12), (FSDP, "foreach_reduce"), user)
+    # a forward run from inside DDP's forward: its innermost frame is the model's
+    forward = _made_by(_alloc(0x4000, 512, 13), ("/u/model.py", "forward"),
+                       ("/x/torch/nn/parallel/distributed.py", "forward"))
+    trace = [gathered, *_free(0x1000, 512, 14), behind_a_decorator, sharded_gradient, forward,
+             *_free(0x4000, 512, 15)]
+    # the gathered parameters saved for backward (as a Linear's weight is) stay gathered
+    labels = label_trace(trace, [(10, 0x1000, 512, "activations"),
+                                 (12, 0x3000, 512, "gradients")])
+    assert labels == [[0, "communication"], [3, "communication"], [4, "gradients"],
+                      [5, "temporaries"]]
+
+
 def test_a_block_too_small_for_the_storage_is_not_its_block() -> None:
     trace = [_alloc(0x1000, 512, 10)]
     assert label_trace(trace, [(11, 0x1000, 513, "parameters")]) == [[0, "other"]]
@@ -189,10 +218,12 @@ def at_peak(trace: list[dict[str, Any]], labels: list[list[Any]]) -> Counter[str
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_hooks_only_labels_equal_the_exact_recorder(name: str, monkeypatch) -> None:
-    if name == "ddp_gloo":  # a world of one on a port no other test uses
-        monkeypatch.setenv("MASTER_PORT", _free_port())
-        for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
-            monkeypatch.delenv(var, raising=False)
+    if name == "ddp_gloo":  # a world of one on a port no other test uses; set here, so
+        # that they are gone again after the test (the sample sets what is missing, and the
+        # suite's other processes would be ranks of a world of one)
+        for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                           ("MASTER_PORT", _free_port())):
+            monkeypatch.setenv(var, value)
     main = load_sample(name).main
     argv = [*SAMPLES[name], "--device", "cpu"]
     torch.manual_seed(0)

@@ -264,6 +264,13 @@ def test_every_fsdp2_rank_holds_its_shard_and_the_answer_comes_first(
         assert device["category_peaks"]["gradients"] == sum(
             block(F32 * sum(numel(s, padded_rows(s[0], world)) for s in unit))
             for unit in units)
+        # a unit gathered: each parameter's padded rows from every rank, and the flat
+        # all-gather output it is copied out of; never more than every unit gathered at once
+        # with one all-gather in flight
+        gathered = [F32 * sum(numel(s, world * padded_rows(s[0], world)) for s in unit)
+                    for unit in units]
+        assert device["category_peaks"]["communication"] >= max(gathered)
+        assert 0 < at_peak["communication"] <= sum(gathered) + max(gathered)
     worst = max(report(out, f"report-rank{r}.json")["devices"][0]["peak"]["reserved_bytes"]
                 for r in range(world))
     lines = result.stderr.splitlines()
@@ -283,7 +290,7 @@ def test_ddp_under_torchrun_holds_the_full_model_per_rank(runs: dict[str, Future
         assert data["run"]["virtual_gpu"]["spec"] == "H100 80GB"
         assert (at_peak["parameters"], at_peak["gradients"], at_peak["optimizer_state"]) == (
             F32 * params, F32 * params, 2 * F32 * params)
-        assert at_peak["temporaries"] >= F32 * params  # DDP's bucket beside the gradients
+        assert at_peak["communication"] == F32 * params  # DDP's one bucket beside the gradients
 
 
 def test_a_world_of_one_is_the_single_gpu_run(runs: dict[str, Future[Any]]) -> None:

@@ -76,8 +76,9 @@ with torch.cuda.device(0), torch.cuda.device_of(made):  # these swap the current
 pinned_empty = torch.empty(4, pin_memory=True)
 stats = torch.cuda.memory_stats()
 summary = torch.cuda.memory_summary()
-# a thread the script starts (transformers loads weights on a pool) makes CUDA tensors too
-threaded = ThreadPoolExecutor(1).submit(lambda: str(torch.ones(4, device="cuda").device))
+# a thread the script starts (transformers loads weights on a pool) makes CUDA tensors too;
+# waited for here, so that its tensor is gone before memory_allocated() is read
+threaded = ThreadPoolExecutor(1).submit(lambda: str(torch.ones(4, device="cuda").device)).result()
 print(json.dumps({
     "available": torch.cuda.is_available(), "count": torch.cuda.device_count(),
     "current": torch.cuda.current_device(), "name": torch.cuda.get_device_name(0),
@@ -94,7 +95,7 @@ print(json.dumps({
     "swapped": swapped, "pinned_empty": pinned_empty.device.type,
     "stats": [stats["allocation.all.current"],
               stats["allocated_bytes.all.allocated"] - stats["allocated_bytes.all.freed"]],
-    "summary": summary.splitlines()[1].split()[:3], "threaded": threaded.result(),
+    "summary": summary.splitlines()[1].split()[:3], "threaded": threaded,
     "cuda_version": torch.version.cuda,
 }))
 """

@@ -22,6 +22,7 @@ from memprof.trace.model import (
     ACTIVATIONS,
     BUFFERS,
     CATEGORIES,
+    COMMUNICATION,
     GRADIENTS,
     OPTIMIZER_STATE,
     OTHER,
@@ -105,7 +106,9 @@ def peak_of(device: dict[str, Any]) -> Peak:
     state at its own peaks."""
     at_peak = {k: int(device["categories"].get(k, 0)) for k in CATEGORIES}
     peaks = {k: int(v) for k, v in (device.get("category_peaks") or at_peak).items()}
-    kept = {k: at_peak[k] for k in (PARAMETERS, BUFFERS, OPTIMIZER_STATE, WORKSPACE, OTHER)}
+    # what the batch does not change: model state, and the buffers collectives gather it in
+    kept = {k: at_peak[k] for k in (PARAMETERS, BUFFERS, OPTIMIZER_STATE, COMMUNICATION,
+                                    WORKSPACE, OTHER)}
     zero = dict.fromkeys(CATEGORIES, 0)
     in_step = peaks.get(GRADIENTS, 0) > 0 and at_peak[GRADIENTS] >= 0.99 * peaks[GRADIENTS] \
         and at_peak[ACTIVATIONS] < 0.5 * peaks.get(ACTIVATIONS, 0)

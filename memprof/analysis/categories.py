@@ -6,12 +6,29 @@ report marks these categories as inferred. ``memprof run`` labels exactly instea
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum
 
-from memprof.trace.model import CATEGORIES, Frames
+from memprof.trace.model import CATEGORIES, COMMUNICATION, COMMUNICATION_OVERRIDES, Frames
 
-__all__ = ["CATEGORIES", "Phase", "infer_category", "phase_of"]
+__all__ = ["CATEGORIES", "Phase", "communication_call", "infer_category", "is_communication_stack",
+           "phase_of"]
 
+# the code of torch.distributed that allocates a collective's buffers: FSDP's gathered
+# parameters and reduce-scatter inputs, c10d's flattened lists, DTensor's redistributions,
+# DDP's buckets (made by its reducer, called from its constructor)
+_COMMUNICATION_FILES = ("/torch/distributed/fsdp/", "/torch/distributed/_composable/fsdp/",
+                        "/torch/distributed/distributed_c10d.py",
+                        "/torch/distributed/_functional_collectives",
+                        "/torch/distributed/tensor/_redistribute.py",
+                        "/torch/distributed/tensor/_collective_utils.py",
+                        "/torch/nn/parallel/distributed.py")
+# FSDP1's unsharded flat parameter, and the flat copy DDP broadcasts the module state in
+_COMMUNICATION_CALLS = {("/torch/distributed/utils.py", "_alloc_storage"),
+                        ("/torch/distributed/utils.py", "_sync_params_and_buffers")}
+# decorators between a function and the op it calls (torch._disable_dynamo, no_grad)
+_WRAPPER_FILES = ("/torch/_dynamo/eval_frame.py", "/torch/_compile.py",
+                  "/torch/utils/_contextlib.py")
 
 
 class Phase(Enum):
@@ -41,6 +58,26 @@ def phase_of(frames: Frames, has_python_stacks: bool) -> Phase:
     return Phase.FORWARD
 
 
+def communication_call(filename: str, name: str) -> bool | None:
+    """Whether a Python frame, the innermost of an allocation's stack, is torch.distributed
+    allocating a collective's buffer; None for a decorator's frame (ask its caller)."""
+    path = filename.replace("\\", "/")
+    if path.endswith(_WRAPPER_FILES):
+        return None
+    return any(f in path for f in _COMMUNICATION_FILES) or any(
+        path.endswith(f) and name == n for f, n in _COMMUNICATION_CALLS)
+
+
+def is_communication_stack(calls: Iterable[tuple[str, str]]) -> bool:
+    """Whether an allocation's stack, its Python frames' ``(filename, name)`` innermost
+    first, is a collective's (``communication_call``)."""
+    for filename, name in calls:
+        verdict = communication_call(filename, name)
+        if verdict is not None:
+            return verdict
+    return False
+
+
 def is_parameter_stack(frames: Frames) -> bool:
     """Stacks that create or move model weights (module construction, .to(), loading)."""
     for f in frames:
@@ -54,6 +91,14 @@ def is_parameter_stack(frames: Frames) -> bool:
 
 def infer_category(alloc_frames: Frames, alloc_phase: Phase, free_phase: Phase | None) -> str:
     """Category of one allocation; ``free_phase`` is None when it outlived the recording."""
+    category = _by_phase(alloc_frames, alloc_phase, free_phase)
+    if category in COMMUNICATION_OVERRIDES and is_communication_stack(
+            (f.filename, f.name) for f in alloc_frames if f.is_python):
+        return COMMUNICATION
+    return category
+
+
+def _by_phase(alloc_frames: Frames, alloc_phase: Phase, free_phase: Phase | None) -> str:
     if is_parameter_stack(alloc_frames):
         return "parameters"
     if alloc_phase is Phase.OPTIMIZER:

@@ -1,13 +1,13 @@
 """The colour of each category, the same in the PNG and the HTML report: matplotlib's
-default cycle (``tab10``) in the order of ``CATEGORIES``, as the first PNGs drew them."""
+default cycle (``tab10``), as the first PNGs drew them, and its cyan for what came later."""
 
 from __future__ import annotations
 
-from memprof.trace.model import CATEGORIES
+CATEGORY_COLOURS = {
+    "parameters": "#1f77b4", "buffers": "#ff7f0e", "gradients": "#2ca02c",
+    "optimizer_state": "#d62728", "communication": "#17becf", "activations": "#9467bd",
+    "temporaries": "#8c564b", "workspace": "#e377c2", "other": "#7f7f7f"}
 
-CATEGORY_COLOURS = dict(zip(CATEGORIES, (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"),
-    strict=True))
 RESERVED_COLOUR = "#000000"
-ALLOCATED_COLOUR = CATEGORY_COLOURS[CATEGORIES[0]]  # tab:blue, one line without categories
+ALLOCATED_COLOUR = CATEGORY_COLOURS["parameters"]  # tab:blue, one line without categories
 PEAK_COLOUR = "#d62728"  # tab:red

@@ -30,6 +30,7 @@ CATEGORY_NAMES = {
     "buffers": "buffers (module state)",
     "gradients": "gradients",
     "optimizer_state": "optimizer state",
+    "communication": "communication buffers",
     "activations": "activations",
     "temporaries": "temporaries",
     "workspace": "library workspaces (cuBLAS)",

@@ -81,8 +81,8 @@ def timeline_panels(findings: Findings) -> list[Panel]:
         else:
             x, xlabel = np.arange(-1, len(t.allocated) - 1), "event"
         kept = kept_points(t.allocated, t.reserved, d.peak_event_index + 1)
-        categories = None if d.category_timeline is None else {
-            name: v[kept] / scale for name, v in d.category_timeline.items()}
+        categories = None if d.category_timeline is None else {  # none empty in the legend
+            name: v[kept] / scale for name, v in d.category_timeline.items() if v.any()}
         panels.append(Panel(
             d.device, x[kept], xlabel, unit, t.reserved[kept] / scale,
             t.allocated[kept] / scale, categories,
@@ -125,7 +125,7 @@ def draw_timeline(panels: list[Panel], title: str, path: Path, overwrite: bool =
     for ax, p in zip(axes[:, 0], panels, strict=True):
         ax.step(p.x, p.reserved, where="post", label="reserved", color=RESERVED_COLOUR,
                 linewidth=1)
-        if p.categories is not None:
+        if p.categories:
             ax.stackplot(p.x, *p.categories.values(), step="post",
                          labels=[k.replace("_", " ") for k in p.categories], alpha=0.8,
                          colors=[CATEGORY_COLOURS[k] for k in p.categories])

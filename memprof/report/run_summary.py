@@ -21,7 +21,7 @@ from memprof.report.console import (
 )
 from memprof.report.text import visible
 from memprof.report.units import format_bytes as fb
-from memprof.trace.model import CATEGORIES, WORKSPACE
+from memprof.trace.model import CATEGORIES, COMMUNICATION, WORKSPACE
 
 
 def render_run(d: DeviceFindings, run: dict[str, Any], console: Console) -> None:
@@ -92,8 +92,8 @@ def breakdown(d: DeviceFindings, run: dict[str, Any]) -> Table:
     total = d.reserved_at_peak_bytes or 1
     for key in CATEGORIES:
         value = d.at_peak.categories[key]
-        if key == WORKSPACE and not value:
-            continue  # only a virtual GPU knows its workspaces; elsewhere they are "other"
+        if key in (WORKSPACE, COMMUNICATION) and not value:
+            continue  # only a virtual GPU knows its workspaces; only a distributed run talks
         t.add_row(CATEGORY_NAMES[key], fb(value), f"{100 * value / total:.1f}%")
     t.add_row(Text("allocated (max_memory_allocated)", "bold"), fb(d.peak_allocated_bytes), "",
               end_section=not d.at_peak.requested)

@@ -35,12 +35,18 @@ PARAMETERS = "parameters"
 BUFFERS = "buffers"  # module buffers: causal masks, positional tables, BatchNorm statistics
 GRADIENTS = "gradients"
 OPTIMIZER_STATE = "optimizer_state"
+# a distributed run's collective buffers: parameters FSDP gathered, gradients waiting to be
+# reduce-scattered, DDP's buckets (``analysis/categories.is_communication_stack``)
+COMMUNICATION = "communication"
 ACTIVATIONS = "activations"
 TEMPORARIES = "temporaries"
 WORKSPACE = "workspace"  # a library's own buffers (cuBLAS workspaces): exact on a virtual GPU
 OTHER = "other"
-CATEGORIES = (PARAMETERS, BUFFERS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS, TEMPORARIES, WORKSPACE,
-              OTHER)
+CATEGORIES = (PARAMETERS, BUFFERS, GRADIENTS, OPTIMIZER_STATE, COMMUNICATION, ACTIVATIONS,
+              TEMPORARIES, WORKSPACE, OTHER)
+# what a collective's own code made is a communication buffer unless the script's tensors
+# hold it as one of these (a sharded parameter, a reduce-scattered gradient)
+COMMUNICATION_OVERRIDES = (ACTIVATIONS, TEMPORARIES, OTHER)
 # what some activations were, for savings models: quadratic attention scores saved for
 # backward, and tensors saved by forwards in eval mode that no backward ever used
 ATTENTION_SCORES = "attention_scores"

@@ -18,6 +18,8 @@ from memprof.trace.events import ACTION, TraceEvent
 from memprof.trace.model import (
     ACTIVATIONS,
     CATEGORIES,
+    COMMUNICATION,
+    COMMUNICATION_OVERRIDES,
     EVAL_ACTIVATIONS,
     OTHER,
     TEMPORARIES,
@@ -45,15 +47,18 @@ class LabelHooks(RoleHooks):
             if event[ACTION] == "alloc":
                 key = id(event)
                 fallback = OTHER if key in alive else TEMPORARIES
-                known = self._tracker.known.get(key, fallback)
-                labels.append([index, self._marks.get(key, known)])
+                category = self._marks.get(key) or self._tracker.known.get(key, fallback)
+                if category in COMMUNICATION_OVERRIDES and key in self._tracker.communication:
+                    category = COMMUNICATION
+                labels.append([index, category])
         return labels
 
     def resolve_tags(self, events: list[TraceEvent]) -> list[list[Any]]:
         """Return `[event_index, tag]` for every alloc event in `events` labelled
         `activations` that has a tag (a parameter an eval forward saved has none)."""
         return [[index, self._tags[id(event)]] for index, event in enumerate(events)
-                if id(event) in self._tags and self._marks.get(id(event)) == ACTIVATIONS]
+                if id(event) in self._tags and self._marks.get(id(event)) == ACTIVATIONS
+                and id(event) not in self._tracker.communication]
 
     def _mark(self, t: torch.Tensor, category: str) -> None:
         for event in self._tracker.alloc_events(t):

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import (
     _pop_mode,
 )
 
+from memprof.analysis.categories import communication_call
 from memprof.collect.cpu.op_facts import FUSED, MAY_ALIAS, SCORES, VIEW, op_facts
 from memprof.collect.cpu.score_ops import is_square
 from memprof.collect.cpu.storage_resize import ResizeWatch
@@ -56,6 +57,7 @@ _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 # A ring buffer is trimmed when it has grown by this share since its last trim (and holds
 # more than its limit): a trim is a pass over the buffer, live allocations included.
 _TRIM_SLACK = 0.25
+_MEMPROF = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))) + os.sep
 
 
 _RECORDING: weakref.WeakSet[StorageTracker] = weakref.WeakSet()
@@ -137,10 +139,12 @@ class StorageTracker(_PlainMode):
         self.modules: dict[int, str] = {}  # id(alloc event) -> path of the module that made it
         self.scope: Callable[[], str | None] | None = None  # the module allocating now
         self.square_scores: set[int] = set()  # id(alloc event) of T x T outputs of SCORE_OPS
+        self.communication: set[int] = set()  # id(alloc event) made by a collective's code
         self.fused_attention = False  # a scaled_dot_product_attention kernel ran
         # what is keyed by id(alloc event): purged when the ring buffer drops the event
         self.per_event: list[dict[int, Any] | set[int]] = [
-            self.known, self.modules, self.square_scores]
+            self.known, self.modules, self.square_scores, self.communication]
+        self._collective_code: dict[CodeType, bool | None] = {}
         self._stacks = StackCapture()
         self._live: dict[int, _StorageRef] = {}
         self._empty: dict[int, weakref.ref] = {}  # 0-byte storages: no block, may grow
@@ -345,11 +349,27 @@ class StorageTracker(_PlainMode):
         scope = self.scope
         if scope is not None and (path := scope()) is not None:
             self.modules[id(event)] = path
+        if self._by_collective(frame):
+            self.communication.add(id(event))
         ref = _StorageRef(st, self._on_free_callback)
         ref.event = event
         ref.key = key
         self._live[key] = ref
         self.events.append(event)
+
+    def _by_collective(self, frame: FrameType | None) -> bool:
+        """Whether a collective's code made the allocation ``frame`` asked for."""
+        while frame is not None:
+            code = frame.f_code
+            if code in self._collective_code:
+                verdict = self._collective_code[code]
+            else:  # memprof's own frames (the virtual GPU's) stand between, as decorators do
+                verdict = self._collective_code[code] = None if code.co_filename.startswith(
+                    _MEMPROF) else communication_call(code.co_filename, code.co_name)
+            if verdict is not None:
+                return verdict
+            frame = frame.f_back
+        return False
 
     def _forget_empty(self, key: int) -> Callable[[weakref.ref], None]:
         """The callback that drops an empty storage's entry when it dies."""

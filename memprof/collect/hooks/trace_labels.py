@@ -23,10 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from memprof.trace.events import ACTION, ADDR, SIZE, TraceEvent, is_recorded
+from memprof.analysis.categories import is_communication_stack
+from memprof.trace.events import ACTION, ADDR, SIZE, STACK, TraceEvent, is_recorded
 from memprof.trace.model import (
     ACTIVATIONS,
     CATEGORIES,
+    COMMUNICATION,
+    COMMUNICATION_OVERRIDES,
     EVAL_ACTIVATIONS,
     OTHER,
     TEMPORARIES,
@@ -141,7 +144,8 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
     it, ``workspace`` if it is a BLAS library's (``workspaces``: the cuBLAS and the
     separate cuBLASLt workspace's bytes, ``blas_workspace_sizes``) and ``other`` if not.
     ``times``: the clock the sightings used (``event_times`` by default); ``allocs``: the
-    trace's ``Allocs``, if made."""
+    trace's ``Allocs``, if made. What a collective's code made (``is_communication_call``)
+    is ``communication`` unless sighted as model state."""
     if allocs is None:
         allocs = Allocs(trace, event_times(trace) if times is None else times)
     best: dict[int, str] = {}
@@ -156,7 +160,18 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
               for i, category in zip(allocs.events.tolist(), unseen, strict=True)]
     if any(workspaces):
         _find_workspaces(trace, labels, workspaces)
+    for label in labels:
+        if label[1] in COMMUNICATION_OVERRIDES and _by_collective(trace[label[0]]):
+            label[1] = COMMUNICATION
     return labels
+
+
+def _by_collective(alloc: Event | TraceEvent) -> bool:
+    """Whether the innermost Python frame of ``alloc``'s stack is a collective's."""
+    frames = ((f, n) for n, f, _ in alloc[STACK]) if is_recorded(alloc) else (
+        (f.get("filename", ""), f.get("name", "")) for f in alloc.get("frames") or ())
+    return is_communication_stack((f, n) for f, n in frames
+                                  if f.endswith(".py") or f == "<string>")
 
 
 def _find_workspaces(trace: Sequence[Event], labels: list[list[Any]],
