@@ -145,7 +145,9 @@ def test_ddp_holds_every_gradient_in_one_bucket_until_it_learns_their_order(
     assert next(iter(model.parameters())).grad.untyped_storage().nbytes() == params * F32
 
 
-@pytest.mark.parametrize("group", [(0, 3), (2, 3)], indirect=True)
+# world 8: rows 100, 100 and 10 pad to 13, 13 and 2 a rank; rank 5 owns none of the last
+# weight's rows, rank 7 nine of the others'
+@pytest.mark.parametrize("group", [(0, 3), (2, 3), (0, 8), (5, 8), (7, 8)], indirect=True)
 def test_fsdp2_pads_each_weight_to_the_world_size_and_adam_keeps_the_ranks_own_rows(
         group: VirtualGpu) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -159,7 +161,9 @@ def test_fsdp2_pads_each_weight_to_the_world_size_and_adam_keeps_the_ranks_own_r
     before = torch.cuda.memory_allocated()
     optimizer.step()
     own = [numel(s, own_rows(s[0], world, rank)) for s in shapes()]
-    assert torch.cuda.memory_allocated() - before == sum(2 * block(n * F32) for n in own)
+    # two moments of each parameter's own rows; a rank without rows of one has empty
+    # moments, which take no block
+    assert torch.cuda.memory_allocated() - before == sum(2 * block(n * F32) for n in own if n)
     assert [p.to_local().shape[0] for p in model.parameters()] == [
         own_rows(s[0], world, rank) for s in shapes()]
 
@@ -192,16 +196,17 @@ def test_fsdp2_of_a_model_made_on_the_meta_device_and_tensor_parallel_on_a_2d_me
     assert [p.to_local().shape for p in tp.parameters()] == [(32, 64), (32,), (32, 64), (32,)]
 
 
-@pytest.mark.parametrize("group", [(2, 3)], indirect=True)
+@pytest.mark.parametrize("group", [(2, 3), (7, 8)], indirect=True)
 def test_fsdp1_shards_each_units_flat_parameter_padded_to_the_world_size(
         group: VirtualGpu) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+    world = dist.get_world_size()
     model = FullyShardedDataParallel(model_on_card(), device_id=0,
                                      auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
     units = [numel(w, w[0]) + b[0] for w, b in zip(shapes()[::2], shapes()[1::2], strict=True)]
-    shards = [-(-n // 3) for n in units]  # FULL_SHARD: a flat parameter per unit, padded
+    shards = [-(-n // world) for n in units]  # FULL_SHARD: a flat parameter per unit, padded
     assert [p.numel() for p in model.parameters()] == shards
     assert torch.cuda.memory_allocated() == sum(block(n * F32) for n in shards)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -209,6 +214,79 @@ def test_fsdp1_shards_each_units_flat_parameter_padded_to_the_world_size(
     before = torch.cuda.memory_allocated()
     optimizer.step()
     assert torch.cuda.memory_allocated() - before == sum(2 * block(n * F32) for n in shards)
+
+
+@pytest.mark.parametrize("group", [(1, 4)], indirect=True)
+@pytest.mark.parametrize(("strategy", "shard_over"), [
+    ("FULL_SHARD", 4), ("SHARD_GRAD_OP", 4), ("NO_SHARD", 1), ("HYBRID_SHARD", 2)])
+def test_fsdp1_holds_each_units_flat_parameter_divided_as_its_strategy_shards_it(
+        group: VirtualGpu, strategy: str, shard_over: int) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    # HYBRID_SHARD: shards within a node (the mesh's second dimension), replicas across
+    mesh = init_device_mesh("cuda", (2, 2)) if strategy == "HYBRID_SHARD" else None
+    model = FullyShardedDataParallel(model_on_card(), device_id=0, device_mesh=mesh,
+                                     sharding_strategy=ShardingStrategy[strategy],
+                                     auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+    units = [numel(w, w[0]) + b[0] for w, b in zip(shapes()[::2], shapes()[1::2], strict=True)]
+    shards = [-(-n // shard_over) for n in units]
+    assert [p.numel() for p in model.parameters()] == shards
+    assert torch.cuda.memory_allocated() == sum(block(n * F32) for n in shards)
+
+
+@pytest.mark.parametrize("group", [(1, 4)], indirect=True)
+def test_fsdp2_gathers_a_unit_in_the_mixed_precision_dtype_and_reshards_it(
+        group: VirtualGpu) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    layer = torch.nn.Linear(100, 64).cuda()  # weight (64, 100), bias (64,)
+    fsdp2.fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    sharded = torch.cuda.memory_allocated()
+    # fp32 shards: 64 rows pad to 16 a rank
+    assert sharded == block(16 * 100 * F32) + block(16 * F32)
+    torch.cuda.reset_peak_memory_stats()
+    layer.unshard()
+    # every rank's rows in bf16, one block per parameter; the flat all-gather output they
+    # were copied out of is gone
+    gathered = block(64 * 100 * 2) + block(64 * 2)
+    assert torch.cuda.memory_allocated() - sharded == gathered
+    assert torch.cuda.max_memory_allocated() - sharded == gathered + block((16 * 100 + 16) * 4 * 2)
+    layer.reshard()
+    assert torch.cuda.memory_allocated() == sharded
+
+
+@pytest.mark.parametrize("group", [(1, 4)], indirect=True)
+def test_fsdp2_resharding_after_forward_to_a_smaller_world_keeps_that_worlds_shard(
+        group: VirtualGpu) -> None:
+    layer = torch.nn.Linear(100, 64).cuda()
+    fsdp2.fully_shard(layer, reshard_after_forward=2)
+    torch.ones(1, 1, device="cuda") @ torch.ones(1, 1, device="cuda")  # cuBLAS's workspace
+    before = torch.cuda.memory_allocated()
+    x = torch.ones(4, 100, device="cuda", requires_grad=True)
+    y = layer(x)
+    # after forward, a rank holds a shard of a world of 2: 64 rows pad to 32 a rank
+    assert torch.cuda.memory_allocated() - before == block(x.nbytes) + block(y.nbytes) + block(
+        32 * 100 * F32) + block(32 * F32)
+
+
+@pytest.mark.parametrize("group", [(0, 2)], indirect=True)
+def test_fsdp2_offloaded_to_the_host_holds_no_parameter_on_the_card(group: VirtualGpu) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = model_on_card()
+    assert torch.cuda.memory_allocated() == sum(block(numel(s, s[0]) * F32) for s in shapes())
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            fsdp2.fully_shard(layer, offload_policy=CPUOffloadPolicy())
+    fsdp2.fully_shard(model, offload_policy=CPUOffloadPolicy())
+    assert torch.cuda.memory_allocated() == 0  # the full weights went, the shards are the host's
+    assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(4, 64, device="cuda")).sum().backward()
+    before = torch.cuda.memory_allocated()
+    optimizer.step()  # on the host's shards and gradients: its moments are the host's too
+    assert torch.cuda.memory_allocated() == before
 
 
 # --- ranks as processes: reports, the answer, explain, check and suggest -----------------
@@ -221,6 +299,32 @@ def fsdp_cluster(where: Path) -> tuple[Any, Path]:
     out = where / "out"
     return memprof_run(where, "--nproc-per-node", "3", "-o", out, "--no-timeline",
                        SAMPLES / "fsdp2.py", *SIZE), out
+
+
+@jobs
+def fsdp_some_ranks(where: Path) -> tuple[Any, Path]:
+    out = where / "out"
+    return memprof_run(where, "--nproc-per-node", "8", "--ranks", "0,5-5,7", "-o", out,
+                       "--no-timeline", SAMPLES / "fsdp2.py", *SIZE), out
+
+
+OBJECTS = """\
+import torch.distributed as dist
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+sent = [{"from": rank}] if rank == 0 else [None]
+dist.broadcast_object_list(sent, src=0)
+gathered = [None] * dist.get_world_size()
+dist.all_gather_object(gathered, rank)
+print(f"rank {rank}: {sent[0]} {gathered}")
+"""
+
+
+@jobs
+def objects_some_ranks(where: Path) -> Any:
+    (where / "objects.py").write_text(OBJECTS)
+    return memprof_run(where, "--nproc-per-node", "4", "--ranks", "0,3", "-o", where / "out",
+                       "objects.py")
 
 
 @jobs
@@ -244,39 +348,94 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[
     yield from jobs.started(tmp_path_factory, "cluster")
 
 
+def fsdp2_rank_holds_its_shard(out: Path, stdout: str, rank: int, world: int) -> None:
+    """Rank ``rank`` of the FSDP2 sample over ``world`` ranks: its shards, its moments of
+    its own rows, its gradients and what it gathered."""
+    units = [shapes()[i:i + 2] for i in range(0, len(shapes()), 2)]  # (weight, bias) each
+    assert f"rank {rank}/{world}: loss" in stdout
+    data = report(out, f"report-rank{rank}.json")
+    assert (data["run"]["rank"], data["run"]["world_size"]) == (rank, world)
+    device = data["devices"][0]
+    at_peak = device["categories_requested"]
+    padded = sum(numel(s, padded_rows(s[0], world)) for s in shapes())
+    own = sum(numel(s, own_rows(s[0], world, rank)) for s in shapes())
+    assert at_peak["parameters"] == F32 * padded
+    assert at_peak["optimizer_state"] == 2 * F32 * own  # the last ranks hold fewer rows
+    # each unit's gradients: views of its reduce-scatter output, of the padded shards
+    assert device["category_peaks"]["gradients"] == sum(
+        block(F32 * sum(numel(s, padded_rows(s[0], world)) for s in unit)) for unit in units)
+    # a unit gathered: each parameter's padded rows from every rank, and the flat
+    # all-gather output it is copied out of; never more than every unit gathered at once
+    # with one all-gather in flight
+    gathered = [F32 * sum(numel(s, world * padded_rows(s[0], world)) for s in unit)
+                for unit in units]
+    assert device["category_peaks"]["communication"] >= max(gathered)
+    assert 0 < at_peak["communication"] <= sum(gathered) + max(gathered)
+
+
 def test_every_fsdp2_rank_holds_its_shard_and_the_answer_comes_first(
         runs: dict[str, Future[Any]]) -> None:
     result, out = runs["fsdp_cluster"].result()
     assert result.code == 0, result.stderr[-3000:]
     world = 3
-    units = [shapes()[i:i + 2] for i in range(0, len(shapes()), 2)]  # (weight, bias) each
     for rank in range(world):
-        assert f"rank {rank}/{world}: loss" in result.stdout
-        data = report(out, f"report-rank{rank}.json")
-        assert (data["run"]["rank"], data["run"]["world_size"]) == (rank, world)
-        device = data["devices"][0]
-        at_peak = device["categories_requested"]
-        padded = sum(numel(s, padded_rows(s[0], world)) for s in shapes())
-        own = sum(numel(s, own_rows(s[0], world, rank)) for s in shapes())
-        assert at_peak["parameters"] == F32 * padded
-        assert at_peak["optimizer_state"] == 2 * F32 * own  # rank 2 holds fewer rows
-        # each unit's gradients: views of its reduce-scatter output, of the padded shards
-        assert device["category_peaks"]["gradients"] == sum(
-            block(F32 * sum(numel(s, padded_rows(s[0], world)) for s in unit))
-            for unit in units)
-        # a unit gathered: each parameter's padded rows from every rank, and the flat
-        # all-gather output it is copied out of; never more than every unit gathered at once
-        # with one all-gather in flight
-        gathered = [F32 * sum(numel(s, world * padded_rows(s[0], world)) for s in unit)
-                    for unit in units]
-        assert device["category_peaks"]["communication"] >= max(gathered)
-        assert 0 < at_peak["communication"] <= sum(gathered) + max(gathered)
+        fsdp2_rank_holds_its_shard(out, result.stdout, rank, world)
     worst = max(report(out, f"report-rank{r}.json")["devices"][0]["peak"]["reserved_bytes"]
                 for r in range(world))
     lines = result.stderr.splitlines()
     answer = next(i for i, line in enumerate(lines) if line.startswith("fits: worst rank"))
     assert "(rank 0)" in lines[answer] and lines[answer + 1].split()[:2] == ["rank", "peak"]
+    summary = report(out, "cluster.json")  # the whole run, as the console answered it
+    assert (summary["schema"], summary["world_size"], summary["nodes"], summary["answer"],
+            summary["worst_rank"]) == ("memprof.cluster/1", world, 1, lines[answer], 0)
+    assert [(r["rank"], r["report"], r["peak_reserved_bytes"]) for r in summary["ranks"]] == [
+        (r, f"report-rank{r}.json",
+         report(out, f"report-rank{r}.json")["devices"][0]["peak"]["reserved_bytes"])
+        for r in range(world)]
+    # what it cannot see, it says: on the console and in the file
+    assert summary["not_counted"][0].startswith("NCCL's own buffers")
+    assert "NCCL's own buffers and each communicator's memory are outside" in result.stderr
     assert worst > 0 and lines[-1] == f"Next: memprof explain {out}"
+
+
+def test_some_ranks_of_a_world_of_eight_run_alone_with_their_own_shards(
+        runs: dict[str, Future[Any]]) -> None:
+    result, out = runs["fsdp_some_ranks"].result()
+    assert result.code == 0, result.stderr[-3000:]
+    for rank in (0, 5, 7):  # full shards; none of the last weight's rows; the remainder
+        fsdp2_rank_holds_its_shard(out, result.stdout, rank, 8)
+    summary = report(out, "cluster.json")
+    assert (summary["world_size"], summary["ranks_run"]) == (8, [0, 5, 7])
+    assert sorted(p.name for p in out.glob("report-rank*.json")) == [
+        "report-rank0.json", "report-rank5.json", "report-rank7.json"]
+    assert "ranks 0, 5, 7 of 8 (--ranks)" in result.stderr
+    assert "5 of the world's 8 ranks were not run" in result.stderr
+
+
+def test_an_object_from_a_rank_not_run_is_this_ranks_own(runs: dict[str, Future[Any]]
+                                                          ) -> None:
+    result = runs["objects_some_ranks"].result()
+    assert result.code == 0, result.stderr[-3000:]
+    # rank 0 sends its object to rank 3, which ran; ranks 1 and 2 send what each sends
+    assert sorted(result.stdout.splitlines()) == [
+        "rank 0: {'from': 0} [0, 0, 0, 3]", "rank 3: {'from': 0} [0, 3, 3, 3]"]
+    assert result.stderr.count("an object collective involves ranks not run") == 2
+
+
+def test_ranks_are_chosen_among_the_worlds_on_virtual_cards_only(tmp_path: Path) -> None:
+    for args, error in (
+            (["--nproc-per-node", "4", "--ranks", "4"], "--ranks 4: '4' is not within ranks 0-3"),
+            (["--nproc-per-node", "4", "--ranks", "a"], "'a' is not a rank or a range"),
+            (["--nproc-per-node", "4", "--ranks", "3-1"], "'3-1' is not within ranks 0-3"),
+            (["--ranks", "0"], "give --nproc-per-node N too")):
+        result = memprof_run(tmp_path, *args, "-c", "pass")
+        assert result.code == 2 and error in result.stderr, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
+    from memprof.cli.run_cluster import cluster_ranks
+    from memprof.errors import MemprofError
+
+    with pytest.raises(MemprofError, match="--ranks runs some ranks on virtual cards only"):
+        cluster_ranks(1, 2, "0", None)  # on GPUs (no virtual card) every rank must run
 
 
 def test_ddp_under_torchrun_holds_the_full_model_per_rank(runs: dict[str, Future[Any]]

@@ -103,6 +103,13 @@ def run(
     nnodes: Annotated[int, typer.Option(
         "--nnodes", min=1, metavar="M", help="With --nproc-per-node: M nodes of N ranks, all"
         " run on this machine.")] = 1,
+    ranks: Annotated[str | None, typer.Option(
+        "--ranks", metavar="LIST", help="With --nproc-per-node on virtual cards: run only"
+        " these ranks of the world (0,63 or 0-3,63), a process each. A collective moves no"
+        " data between virtual cards, so a rank's memory needs no other rank: run the ones"
+        " that differ (the first and the last shard, a pipeline stage, rank 0's extra"
+        " work); what an object collective would get from a rank not run is this rank's"
+        " own. Default: every rank.", show_default=False)] = None,
     cluster_rank: Annotated[bool, flag(
         "--cluster-rank", hidden=True, help="A rank --nproc-per-node started: silent (the"
         " launcher prints the summary).")] = False,
@@ -177,13 +184,16 @@ def run(
         raise MemprofError(f"allocator settings {describe(conf, 100)} for the prediction:"
                            f" {'; '.join(problems)}")
     if nproc_per_node is not None:  # every rank, each a `memprof run` of its own
-        from memprof.cli.run_cluster import rank_options, run_cluster
-        from memprof.collect.launch.ranks import Ranks
+        from memprof.cli.run_cluster import cluster_ranks, rank_options, run_cluster
 
+        layout = cluster_ranks(nnodes, nproc_per_node, ranks, card)
         options = rank_options(card, device, settings.conf, max_entries, top, steps, seconds,
                                timeline, max_peak)
-        raise typer.Exit(run_cluster(run_command(target)[2:], target.stem,
-                                     Ranks(nnodes, nproc_per_node), output, force, options, card))
+        raise typer.Exit(run_cluster(run_command(target)[2:], target.stem, layout, output,
+                                     force, options, card))
+    if ranks is not None:
+        raise MemprofError("--ranks chooses among the ranks of --nproc-per-node; give"
+                           " --nproc-per-node N too")
     rank, world = torchrun_rank()
     folder = run_folder(target.stem, output, world).absolute()  # the script may chdir
     names = file_names(rank, world)

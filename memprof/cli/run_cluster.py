@@ -14,11 +14,26 @@ from pathlib import Path
 
 from rich.console import Console
 
-from memprof.collect.launch.ranks import Ranks, run_ranks
+from memprof.collect.launch.ranks import Ranks, parse_ranks, run_ranks
 from memprof.collect.virtual.cards import Card, card_args
-from memprof.report.cluster import read_cluster, render_cluster
+from memprof.errors import MemprofError
+from memprof.report.cluster import cluster_summary, read_cluster, render_cluster
+from memprof.report.json import write_json
 from memprof.report.run_folder import claim, file_names, run_folder
 from memprof.report.text import plain
+
+
+def cluster_ranks(nodes: int, per_node: int, chosen: str | None, card: Card | None) -> Ranks:
+    """The layout ``--nnodes``, ``--nproc-per-node`` and ``--ranks`` ask for."""
+    if chosen is None:
+        return Ranks(nodes, per_node)
+    if card is None:
+        raise MemprofError("--ranks runs some ranks on virtual cards only: on GPUs every rank"
+                           " of the world must run for their collectives to meet")
+    try:
+        return Ranks(nodes, per_node, parse_ranks(chosen, nodes * per_node))
+    except ValueError as exc:
+        raise MemprofError(f"--ranks {plain(chosen)}: {exc}") from None
 
 
 def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None,
@@ -29,25 +44,44 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     folder = run_folder(stem, output, 1).absolute()
     for rank in range(ranks.world_size):  # every rank's files, before any rank starts
         claim(folder, file_names(rank, ranks.world_size), force)
+    claim(folder, {"report": CLUSTER_FILE}, force)
     notes = Console(stderr=True, soft_wrap=True, highlight=False)
     world = ranks.world_size
     layout = f"{ranks.nodes} nodes x {ranks.per_node}" if ranks.nodes > 1 else "one node"
     where = f"a virtual {card.name}" if card else "a GPU"
     ranks_word = f"{world} rank{'s' * (world > 1)}"
+    if ranks.chosen is not None:
+        ranks_word = f"ranks {ranges(ranks.chosen)} of {world} (--ranks)"
     notes.print(plain(f"memprof: {ranks_word} ({layout}), each a process of its own on"
                       f" {where} of its own"))
     exits = run_ranks(ranks, [sys.executable, "-m", "memprof", "run", "--cluster-rank",
                               "--force", "--no-need", "-o", str(folder), *options, *command])
     sys.stdout.flush()
-    cluster = read_cluster(folder, world)
+    cluster = read_cluster(folder, world, ranks.running)
+    write_json(cluster_summary(cluster, ranks.nodes, ranks.per_node), folder / CLUSTER_FILE)
     notes.print(plain(f"memprof run {shlex.join(command)}: {ranks_word} on"
                       f" {cluster.card or 'the GPUs'}"))
     render_cluster(cluster, notes)
     notes.print()
-    notes.print(plain(f"Run folder: {folder}/ (a report and a snapshot per rank)"))
+    notes.print(plain(f"Run folder: {folder}/ (a report and a snapshot per rank, and"
+                      f" {CLUSTER_FILE})"))
     notes.print(plain(f"Next: memprof explain {folder}"))
     failed = [e for e in exits if e.code and not e.stopped]
     return _exit_code(failed[0].code) if failed else 0
+
+
+CLUSTER_FILE = "cluster.json"  # the whole run's summary, beside the ranks' reports
+
+
+def ranges(ranks: tuple[int, ...]) -> str:
+    """``0-3, 7, 63`` for ranks 0, 1, 2, 3, 7 and 63 (sorted)."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def _exit_code(code: int) -> int:

@@ -55,6 +55,7 @@ class Cluster:
 
     ranks: list[RankPeak]
     card: str
+    world_size: int | None = None  # where only some ranks of a world ran (--ranks)
 
     @property
     def written(self) -> list[RankPeak]:
@@ -80,18 +81,20 @@ def rank_reports(folder: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def read_cluster(folder: Path, world_size: int | None = None) -> Cluster:
-    """The ranks of the run in ``folder``; with ``world_size``, the ranks without a report
-    too."""
+def read_cluster(folder: Path, world_size: int | None = None,
+                 running: tuple[int, ...] | None = None) -> Cluster:
+    """The ranks of the run in ``folder``; with ``world_size``, those that ran (``running``;
+    default all of them), a report or not."""
     if world_size is None:
         reports = rank_reports(folder)
     else:  # a world of one writes report.json, as a single run does
         reports = {rank: path for rank in range(world_size)
                    if (path := folder / file_names(rank, world_size)["report"]).is_file()}
-    ranks = range(world_size) if world_size is not None else list(reports)
+    ranks = list(reports) if world_size is None else running or range(world_size)
     peaks = [_peak(rank, reports[rank]) if rank in reports else RankPeak(rank, None)
              for rank in ranks]
-    return Cluster(peaks, next((p.card for p in peaks if p.card), ""))
+    return Cluster(peaks, next((p.card for p in peaks if p.card), ""),
+                   None if running is None or world_size is None else world_size)
 
 
 def _peak(rank: int, path: Path) -> RankPeak:
@@ -110,6 +113,36 @@ def _peak(rank: int, path: Path) -> RankPeak:
                      str(gpu.get("spec") or run.get("device") or ""))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return RankPeak(rank, None)
+
+
+CLUSTER_SCHEMA = "memprof.cluster/1"
+# what no rank's figure holds; said under the table and kept in cluster.json
+NOT_COUNTED = ("NCCL's own buffers and each communicator's memory are outside PyTorch's"
+               " allocator and not counted (not yet measured on a card): leave headroom for"
+               " them on a run over NCCL")
+
+
+def cluster_summary(cluster: Cluster, nodes: int, per_node: int) -> dict[str, Any]:
+    """``cluster.json``: the layout, the answer, the worst rank, how uneven the ranks are,
+    and each rank's peak and where its report is (``docs/report-schema.md``)."""
+    worst, written = cluster.worst(), cluster.written
+    spread = (max(r.reserved for r in written) - min(r.reserved for r in written)
+              if written else 0)
+    return {
+        "schema": CLUSTER_SCHEMA, "world_size": nodes * per_node, "nodes": nodes,
+        "ranks_per_node": per_node, "card": cluster.card or None, "answer": answer(cluster),
+        "worst_rank": worst.rank if worst is not None else None,
+        "reserved_spread_bytes": spread, "not_counted": [NOT_COUNTED],
+        "ranks_run": [r.rank for r in cluster.ranks],
+        "ranks": [{
+            "rank": r.rank, "report": r.report.name if r.report is not None else None,
+            "peak_allocated_bytes": r.allocated if r.report is not None else None,
+            "peak_reserved_bytes": r.reserved if r.report is not None else None,
+            "on_card_bytes": r.on_card if r.report is not None else None,
+            "total_bytes": r.total or None, "optimizer_steps": r.steps,
+            "out_of_memory": r.out_of_memory,
+            "ended": (r.exit or {}).get("status") if r.report is not None else None}
+            for r in cluster.ranks]}
 
 
 def worst_report(folder: Path) -> Path | None:
@@ -173,3 +206,8 @@ def render_cluster(cluster: Cluster, console: Console) -> None:
             "Every rank peaks at the same reserved memory." if not spread else
             f"Ranks differ by {fb(spread)} reserved at their peaks (rank {high.rank} the most,"
             f" rank {low.rank} the least).", "dim"))
+    if cluster.world_size is not None:
+        shown = len(cluster.ranks)
+        console.print(Text(f"{cluster.world_size - shown} of the world's {cluster.world_size}"
+                           " ranks were not run (--ranks): the answer is the ranks run.", "dim"))
+    console.print(Text(f"{NOT_COUNTED}.", "dim"))

@@ -3,21 +3,23 @@
     exits = run_ranks(Ranks(nodes=1, per_node=4), [sys.executable, "-m", "memprof", ...])
 
 Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` on a free port of
-this machine, ``TORCHELASTIC_RUN_ID``, and ``OMP_NUM_THREADS=1`` unless set), its output
-goes where this process's goes, and its exit code is kept. The M nodes of ``--nnodes M``
-are M groups of local ranks on this machine. Ctrl-C reaches every rank (they share the
-terminal's process group) and a SIGTERM is passed on to each: a rank under ``memprof run``
-then ends its script and writes its report. When a rank fails, the others get
-:data:`GRACE_S` seconds to finish (their collectives do not wait for it, as a card's would)
-and are then stopped the same way, as torchrun stops a job whose rank failed.
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT``,
+``TORCHELASTIC_RUN_ID``, and ``OMP_NUM_THREADS=1`` unless set), its output goes where this
+process's goes, and its exit code is kept. As torchrun's agent does, this process hosts the
+store the ranks meet at (``TORCHELASTIC_USE_AGENT_STORE``): no rank waits for the others
+to connect, so ``Ranks.chosen`` may run some ranks of a world only (their names in
+:data:`RANKS_RUN`, for the object collectives, ``collect/virtual/objects.py``). The M
+nodes of ``--nnodes M`` are M groups of local ranks on this machine. Ctrl-C reaches every
+rank (they share the terminal's process group) and a SIGTERM is passed on to each: a rank
+under ``memprof run`` then ends its script and writes its report. When a rank fails, the
+others get :data:`GRACE_S` seconds to finish (their collectives do not wait for it, as a
+card's would) and are then stopped the same way, as torchrun stops a job whose rank failed.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -26,19 +28,27 @@ from dataclasses import dataclass
 from memprof.errors import MemprofError
 
 GRACE_S = 60.0  # after a rank failed, how long the others may still run
+RANKS_RUN = "MEMPROF_RANKS_RUN"  # the ranks of a world that run, where not all of them do
 _POLL_S = 0.05
 
 
 @dataclass(frozen=True)
 class Ranks:
-    """The layout of a run: ``nodes`` x ``per_node`` ranks."""
+    """The layout of a run: ``nodes`` x ``per_node`` ranks, of which ``chosen`` run (None:
+    all of them)."""
 
     nodes: int
     per_node: int
+    chosen: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.per_node
+
+    @property
+    def running(self) -> tuple[int, ...]:
+        """The ranks that run, in order."""
+        return self.chosen if self.chosen is not None else tuple(range(self.world_size))
 
     def environment(self, rank: int, port: int, run_id: str) -> dict[str, str]:
         """What torchrun sets for ``rank``."""
@@ -48,7 +58,9 @@ class Ranks:
                 "WORLD_SIZE": str(self.world_size), "LOCAL_WORLD_SIZE": str(self.per_node),
                 "ROLE_WORLD_SIZE": str(self.world_size), "GROUP_WORLD_SIZE": str(self.nodes),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "TORCHELASTIC_RUN_ID": run_id}
+                "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+                **({RANKS_RUN: ",".join(map(str, self.chosen))} if self.chosen is not None
+                   else {})}
 
 
 @dataclass(frozen=True)
@@ -60,19 +72,30 @@ class RankExit:
     stopped: bool  # stopped by memprof after another rank failed, or by Ctrl-C
 
 
-def free_port() -> int:
-    """A TCP port no process listens on now, for the ranks' rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
+    """``--ranks``: ranks and ranges (``0,7``, ``0-3,63``) of a world of ``world_size``,
+    sorted; a ValueError says what is wrong."""
+    chosen: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{part.strip()!r} is not a rank or a range of ranks (0-3)")
+        low, high = int(first), int(last or first)
+        if low > high or high >= world_size:
+            raise ValueError(f"{part.strip()!r} is not within ranks 0-{world_size - 1}")
+        chosen.update(range(low, high + 1))
+    return tuple(sorted(chosen))
 
 
 def run_ranks(ranks: Ranks, command: list[str]) -> list[RankExit]:
-    """Run ``command`` once per rank, all at once; how each ended, by rank."""
-    port, run_id = free_port(), uuid.uuid4().hex[:12]
+    """Run ``command`` once per running rank, all at once; how each ended, in rank order."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port, run_id = store.port, uuid.uuid4().hex[:12]
     base = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     running = [subprocess.Popen(command, env={**base, **ranks.environment(r, port, run_id)})
-               for r in range(ranks.world_size)]
+               for r in ranks.running]
     stopped: set[int] = set()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: _stop(running, stopped))
     try:
@@ -86,7 +109,9 @@ def run_ranks(ranks: Ranks, command: list[str]) -> list[RankExit]:
                                exit_code=130) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return [RankExit(r, p.returncode, r in stopped) for r, p in enumerate(running)]
+    del store  # after every rank: the ranks' store lives as long as they do
+    return [RankExit(r, p.returncode, i in stopped)
+            for i, (r, p) in enumerate(zip(ranks.running, running, strict=True))]
 
 
 def _wait(running: list[subprocess.Popen[bytes]], stopped: set[int]) -> None:

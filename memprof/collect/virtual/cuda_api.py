@@ -244,6 +244,8 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow, coun
         for module in _accelerator_modules():
             if hasattr(module, name):
                 patches[(module, name)] = value
+    # what torch itself asks (FSDP2's default mesh, c10d's default device, FSDP1's device)
+    patches[(torch._C, "_get_accelerator")] = lambda check=False: torch.device("cuda")
     return {(module, name): signed_like(getattr(module, name, None), stub)
             for (module, name), stub in patches.items()}
 

@@ -76,6 +76,9 @@ class VirtualGpu:
         patches[(torch, "Generator")] = VirtualGenerator
         # a CUDA build's: libraries gate CUDA features on it (transformers' tf32=True)
         patches[(torch.version, "cuda")] = CUDA_VERSION
+        # no NCCL library behind the virtual card, but c10d's error logging asks for its
+        # version whenever a call on an "nccl" group raises: 0.0.0, not an error of its own
+        patches[(torch.cuda.nccl, "version")] = lambda: (0, 0, 0)
         patches.update(self._host_state.patches())
         patches.update(self._checkpoints.patches())
         patches.update(self._graphs.patches())

@@ -6,8 +6,10 @@ with tensor collectives; virtual tensors hold no values to exchange, and a rank 
 unpickle its own bytes, or placeholders. PyTorch's own function still runs, so its byte
 tensors are allocated on the card as on a real one, but the objects are exchanged through
 the store the ranks met at (``c10d``'s for that group), as pickles, and put where PyTorch
-puts them. Every rank of the group must run (``memprof run --nproc-per-node`` and
-``torchrun`` run them all).
+puts them. Where ``memprof run --ranks`` runs some ranks of the world only
+(``RANKS_RUN``), a rank not run sends what this rank sends: its own objects (every rank
+runs the same program), and a broadcast or scatter from it leaves this rank's objects as
+they were; said once.
 
     patches.update(ObjectCollectives().patches())  # by (module, attribute)
 """
@@ -15,12 +17,17 @@ puts them. Every rank of the group must run (``memprof run --nproc-per-node`` an
 from __future__ import annotations
 
 import functools
+import os
 import pickle
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from memprof.collect.launch.ranks import RANKS_RUN
 
 _PREFIX = "memprof-objects"
 
@@ -30,12 +37,16 @@ class ObjectCollectives:
 
     def __init__(self) -> None:
         self._calls: dict[str, int] = {}  # per group: object collectives so far
+        run = os.environ.get(RANKS_RUN)
+        self._run = None if run is None else {int(r) for r in run.split(",")}
+        self._told = False
 
     def patches(self) -> dict[tuple[Any, str], Callable[..., Any]]:
         """Replacements by (module, attribute); PyTorch's bytes are not unpickled."""
         wrapped = {name: self._wrap(name, getattr(c10d, name), how) for name, how in (
             ("all_gather_object", self._all_gather), ("gather_object", self._gather),
-            ("broadcast_object_list", self._broadcast), ("scatter_object_list", self._scatter))}
+            ("scatter_object_list", self._scatter))}
+        wrapped["broadcast_object_list"] = self._wrap_broadcast(c10d.broadcast_object_list)
         return {**{(owner, name): fn for name, fn in wrapped.items() for owner in (c10d, dist)},
                 (c10d, "_tensor_to_object"): _unread}
 
@@ -55,27 +66,63 @@ class ObjectCollectives:
             return out
         return collective
 
+    def _wrap_broadcast(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``broadcast_object_list``: the objects come first, through the store, so that a
+        receiving rank's byte tensor gets the size of the objects sent (PyTorch reads the
+        sizes from a tensor a broadcast fills, and a virtual one fills nothing)."""
+        import inspect
+
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def broadcast_object_list(*args: Any, **kwargs: Any) -> Any:
+            given = signature.bind(*args, **kwargs).arguments
+            group = given.get("group") or c10d._get_default_group()
+            if c10d._rank_not_in_group(group):
+                return original(*args, **kwargs)
+            received = self._broadcast(group, given)
+            if received is None:
+                return original(*args, **kwargs)
+            sizes = [len(pickle.dumps(obj)) for obj in received]
+            tensor_broadcast = c10d.broadcast
+
+            def sizes_filled(tensor: Any, *a: Any, **k: Any) -> Any:
+                c10d.broadcast = tensor_broadcast  # the sizes' broadcast comes first
+                out = tensor_broadcast(tensor, *a, **k)
+                tensor.copy_(torch.tensor(sizes, dtype=tensor.dtype))
+                return out
+
+            c10d.broadcast = sizes_filled
+            try:
+                return original(*args, **kwargs)
+            finally:
+                c10d.broadcast = tensor_broadcast
+                given["object_list"][:] = received
+        return broadcast_object_list
+
     def _key(self, group: Any) -> str:
         name = group.group_name
         self._calls[name] = n = self._calls.get(name, 0) + 1
         return f"{_PREFIX}/{n}"
 
     def _all_gather(self, group: Any, given: dict[str, Any]) -> None:
-        given["object_list"][:] = _exchange(group, self._key(group), given["obj"], None)
+        given["object_list"][:] = self._exchange(group, self._key(group), given["obj"], None)
 
     def _gather(self, group: Any, given: dict[str, Any]) -> None:
         dst = _group_rank(group, given.get("dst"), given.get("group_dst"))
-        objects = _exchange(group, self._key(group), given["obj"], dst)
+        objects = self._exchange(group, self._key(group), given["obj"], dst)
         if dist.get_rank(group) == dst:
             given["object_gather_list"][:] = objects
 
-    def _broadcast(self, group: Any, given: dict[str, Any]) -> None:
+    def _broadcast(self, group: Any, given: dict[str, Any]) -> list[Any] | None:
+        """Send this rank's objects, or the objects a receiving rank gets (None: it sends)."""
         src = _group_rank(group, given.get("src"), given.get("group_src"))
         key, store = self._key(group), _store(group)
+        objects = list(given["object_list"])
         if dist.get_rank(group) == src:
-            store.set(key, pickle.dumps(list(given["object_list"])))
-        else:
-            given["object_list"][:] = pickle.loads(store.get(key))
+            store.set(key, pickle.dumps(objects))
+            return None
+        return pickle.loads(store.get(key)) if self._runs(group, src) else objects
 
     def _scatter(self, group: Any, given: dict[str, Any]) -> None:
         src = _group_rank(group, given.get("src"), given.get("group_src"))
@@ -83,7 +130,31 @@ class ObjectCollectives:
         if rank == src:
             for r, obj in enumerate(given["scatter_object_input_list"]):
                 store.set(f"{key}/{r}", pickle.dumps(obj))
-        given["scatter_object_output_list"][0] = pickle.loads(store.get(f"{key}/{rank}"))
+        if self._runs(group, src):
+            given["scatter_object_output_list"][0] = pickle.loads(store.get(f"{key}/{rank}"))
+
+    def _exchange(self, group: Any, key: str, obj: Any, reader: int | None) -> list[Any]:
+        """Every rank's ``obj``, by group rank (for ``reader`` only, where one is named)."""
+        store, rank = _store(group), dist.get_rank(group)
+        mine = pickle.dumps(obj)
+        store.set(f"{key}/{rank}", mine)
+        if reader is not None and rank != reader:
+            return []
+        return [pickle.loads(store.get(f"{key}/{r}") if self._runs(group, r) else mine)
+                for r in range(group.size())]
+
+    def _runs(self, group: Any, group_rank: int) -> bool:
+        """Whether the rank of ``group`` at ``group_rank`` runs (``--ranks``); the first
+        time one does not, say what this rank takes from it instead."""
+        if self._run is None or dist.get_global_rank(group, group_rank) in self._run:
+            return True
+        if not self._told:
+            self._told = True
+            print(f"memprof: rank {dist.get_rank()}: an object collective involves ranks not"
+                  " run (--ranks): each is taken to send what this rank sends, and a"
+                  " broadcast or scatter from one leaves this rank's objects as they were",
+                  file=sys.stderr)
+        return False
 
 
 def _unread(tensor: Any, size: Any, group: Any) -> None:
@@ -101,11 +172,3 @@ def _group_rank(group: Any, rank: int | None, group_rank: int | None) -> int:
         return group_rank
     return dist.get_group_rank(group, rank if rank is not None else 0)
 
-
-def _exchange(group: Any, key: str, obj: Any, reader: int | None) -> list[Any]:
-    """Every rank's ``obj``, by group rank (for ``reader`` only, where one is named)."""
-    store, rank = _store(group), dist.get_rank(group)
-    store.set(f"{key}/{rank}", pickle.dumps(obj))
-    if reader is not None and rank != reader:
-        return []
-    return [pickle.loads(store.get(f"{key}/{r}")) for r in range(group.size())]
