@@ -21,14 +21,15 @@ class Run:
 
 
 def run(argv: list[str], cwd: Path | None = None, repeat: int = 1,
-        stdout: Path | None = None) -> Run:
+        stdout: Path | None = None, codes: tuple[int, ...] = (0,)) -> Run:
     """Run ``argv`` in a fresh child ``repeat`` times: the median wall time, the peak RSS.
-    The command's standard output is dropped, or written to ``stdout`` (the last run's).
+    The command's standard output is dropped, or written to ``stdout`` (the last run's);
+    an exit code not in ``codes`` is an error.
 
     This machine's timings vary by tens of percent from run to run; medians of three
     make a ratio worth quoting.
     """
-    return summarise([_run_once(argv, cwd, stdout) for _ in range(repeat)])
+    return summarise([_run_once(argv, cwd, stdout, codes) for _ in range(repeat)])
 
 
 def summarise(runs: list[Run]) -> Run:
@@ -37,7 +38,8 @@ def summarise(runs: list[Run]) -> Run:
                statistics.median(r.cpu_seconds for r in runs))
 
 
-def _run_once(argv: list[str], cwd: Path | None, stdout: Path | None) -> Run:
+def _run_once(argv: list[str], cwd: Path | None, stdout: Path | None,
+              codes: tuple[int, ...] = (0,)) -> Run:
     code = (
         "import resource, subprocess, sys, time\n"
         "out = open(sys.argv[1], 'w') if sys.argv[1] else subprocess.DEVNULL\n"
@@ -51,7 +53,7 @@ def _run_once(argv: list[str], cwd: Path | None, stdout: Path | None) -> Run:
                          check=True, capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "120"})
     rc, seconds, rss, cpu = out.stdout.split()
-    if rc != "0":
+    if int(rc) not in codes:
         raise RuntimeError(f"{argv} exited with {rc}")
     return Run(float(seconds), float(rss), float(cpu))
 

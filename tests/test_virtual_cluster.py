@@ -327,6 +327,30 @@ def objects_some_ranks(where: Path) -> Any:
                        "objects.py")
 
 
+ENDS_IN_FORWARD = """\
+import torch, torch.distributed as dist, fsdp2
+from common import build_mlp
+dist.init_process_group("nccl")
+with torch.device("meta"):  # torchtitan's way: shard, then materialise on the card
+    model = build_mlp(64, 100, 2, 10)
+fsdp2.shard(model, torch.device("cuda", 0), dist.get_world_size())
+model.to_empty(device="cuda")
+def fail(module, args):
+    raise RuntimeError("stopped inside the forward")
+model[2].register_forward_pre_hook(fail)  # the second unit's own gathered, the last's not
+model(torch.ones(4, 64, device="cuda"))
+"""
+
+
+@jobs
+def fsdp_ends_in_forward(where: Path) -> tuple[Any, Path]:
+    (where / "ends.py").write_text(ENDS_IN_FORWARD)
+    out = where / "out"
+    return run_python(["-m", "memprof", "run", "--nproc-per-node", "2", "-o", out,
+                       "--no-timeline", "ends.py"], where,
+                      env={"PYTHONPATH": str(SAMPLES)}), out
+
+
 @jobs
 def ddp_torchrun(where: Path) -> tuple[Any, Path]:
     out = where / "out"
@@ -392,6 +416,7 @@ def test_every_fsdp2_rank_holds_its_shard_and_the_answer_comes_first(
         (r, f"report-rank{r}.json",
          report(out, f"report-rank{r}.json")["devices"][0]["peak"]["reserved_bytes"])
         for r in range(world)]
+    assert "were not run" not in result.stderr  # every rank ran
     # what it cannot see, it says: on the console and in the file
     assert summary["not_counted"][0].startswith("NCCL's own buffers")
     assert "NCCL's own buffers and each communicator's memory are outside" in result.stderr
@@ -410,6 +435,27 @@ def test_some_ranks_of_a_world_of_eight_run_alone_with_their_own_shards(
         "report-rank0.json", "report-rank5.json", "report-rank7.json"]
     assert "ranks 0, 5, 7 of 8 (--ranks)" in result.stderr
     assert "5 of the world's 8 ranks were not run" in result.stderr
+
+
+def test_a_run_that_ends_inside_a_forward_holds_every_shard_and_its_gathered_units(
+        runs: dict[str, Future[Any]]) -> None:
+    result, out = runs["fsdp_ends_in_forward"].result()
+    assert result.code == 1 and "stopped inside the forward" in result.stderr
+    world = 2
+    for rank in range(world):
+        device = report(out, f"report-rank{rank}.json")["devices"][0]
+        at_peak = device["categories_requested"]
+        # every unit's shard is a parameter, the last unit's (it never ran) included
+        assert at_peak["parameters"] == F32 * sum(
+            numel(s, padded_rows(s[0], world)) for s in shapes())
+        # the second unit gathered: its flat all-gather output (every rank's padded
+        # shards) and its unsharded weight and bias; and the first unit's all-gather
+        # output, which FSDP2 frees once the next unit's has been copied out
+        first, second = shapes()[:2], shapes()[2:4]
+        assert at_peak["communication"] == F32 * (
+            sum(numel(s, world * padded_rows(s[0], world)) for s in [*first, *second])
+            + sum(numel(s, s[0]) for s in second))
+        assert at_peak["other"] == 0
 
 
 def test_an_object_from_a_rank_not_run_is_this_ranks_own(runs: dict[str, Future[Any]]

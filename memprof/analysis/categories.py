@@ -9,10 +9,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from enum import Enum
 
-from memprof.trace.model import CATEGORIES, COMMUNICATION, COMMUNICATION_OVERRIDES, Frames
+from memprof.trace.model import (
+    CATEGORIES,
+    COMMUNICATION,
+    COMMUNICATION_OVERRIDES,
+    GATHERED_OVERRIDES,
+    Frames,
+)
 
-__all__ = ["CATEGORIES", "Phase", "communication_call", "infer_category", "is_communication_stack",
-           "phase_of"]
+__all__ = ["CATEGORIES", "Phase", "communication_call", "communication_overrides",
+           "infer_category", "phase_of"]
 
 # the code of torch.distributed that allocates a collective's buffers: FSDP's gathered
 # parameters and reduce-scatter inputs, c10d's flattened lists, DTensor's redistributions,
@@ -26,9 +32,18 @@ _COMMUNICATION_FILES = ("/torch/distributed/fsdp/", "/torch/distributed/_composa
 # FSDP1's unsharded flat parameter, and the flat copy DDP broadcasts the module state in
 _COMMUNICATION_CALLS = {("/torch/distributed/utils.py", "_alloc_storage"),
                         ("/torch/distributed/utils.py", "_sync_params_and_buffers")}
-# decorators between a function and the op it calls (torch._disable_dynamo, no_grad)
+# where FSDP2 gathers: its all-gather and copy-out (``_fsdp_collectives.py``; its
+# reduce-scatter's output is the sharded gradient, a gradient still), and the unsharded
+# parameters' storage (``_fsdp_param.py``), registered on the module while gathered
+_GATHERING_FILES = ("/fsdp/_fully_shard/_fsdp_collectives.py",)
+_GATHERING_CALLS = {("/fsdp/_fully_shard/_fsdp_param.py", name) for name in (
+    "alloc_storage", "init_all_gather_outputs", "init_unsharded_param",
+    "alloc_all_gather_outputs")}
+# decorators between a function and the op it calls (torch._disable_dynamo, no_grad), and
+# a comprehension's frame of its own (before Python 3.12), which its function's stands for
 _WRAPPER_FILES = ("/torch/_dynamo/eval_frame.py", "/torch/_compile.py",
                   "/torch/utils/_contextlib.py")
+_COMPREHENSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
 
 
 class Phase(Enum):
@@ -58,24 +73,30 @@ def phase_of(frames: Frames, has_python_stacks: bool) -> Phase:
     return Phase.FORWARD
 
 
-def communication_call(filename: str, name: str) -> bool | None:
-    """Whether a Python frame, the innermost of an allocation's stack, is torch.distributed
-    allocating a collective's buffer; None for a decorator's frame (ask its caller)."""
+def communication_call(filename: str, name: str) -> tuple[str, ...] | None:
+    """The categories a block gives up to ``communication`` when this Python frame, the
+    innermost of its stack, allocated it: none where it is not torch.distributed making a
+    collective's buffer; None for a decorator's frame (ask its caller)."""
     path = filename.replace("\\", "/")
-    if path.endswith(_WRAPPER_FILES):
+    if path.endswith(_WRAPPER_FILES) or name in _COMPREHENSIONS:
         return None
-    return any(f in path for f in _COMMUNICATION_FILES) or any(
-        path.endswith(f) and name == n for f, n in _COMMUNICATION_CALLS)
+    if path.endswith(_GATHERING_FILES) or any(
+            path.endswith(f) and name == n for f, n in _GATHERING_CALLS):
+        return GATHERED_OVERRIDES
+    if any(f in path for f in _COMMUNICATION_FILES) or any(
+            path.endswith(f) and name == n for f, n in _COMMUNICATION_CALLS):
+        return COMMUNICATION_OVERRIDES
+    return ()
 
 
-def is_communication_stack(calls: Iterable[tuple[str, str]]) -> bool:
-    """Whether an allocation's stack, its Python frames' ``(filename, name)`` innermost
-    first, is a collective's (``communication_call``)."""
+def communication_overrides(calls: Iterable[tuple[str, str]]) -> tuple[str, ...]:
+    """What a block gives up to ``communication`` (``communication_call``), from its stack:
+    its Python frames' ``(filename, name)``, innermost first."""
     for filename, name in calls:
         verdict = communication_call(filename, name)
         if verdict is not None:
             return verdict
-    return False
+    return ()
 
 
 def is_parameter_stack(frames: Frames) -> bool:
@@ -92,7 +113,7 @@ def is_parameter_stack(frames: Frames) -> bool:
 def infer_category(alloc_frames: Frames, alloc_phase: Phase, free_phase: Phase | None) -> str:
     """Category of one allocation; ``free_phase`` is None when it outlived the recording."""
     category = _by_phase(alloc_frames, alloc_phase, free_phase)
-    if category in COMMUNICATION_OVERRIDES and is_communication_stack(
+    if category in communication_overrides(
             (f.filename, f.name) for f in alloc_frames if f.is_python):
         return COMMUNICATION
     return category

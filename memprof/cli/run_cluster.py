@@ -57,7 +57,7 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     exits = run_ranks(ranks, [sys.executable, "-m", "memprof", "run", "--cluster-rank",
                               "--force", "--no-need", "-o", str(folder), *options, *command])
     sys.stdout.flush()
-    cluster = read_cluster(folder, world, ranks.running)
+    cluster = read_cluster(folder, world, ranks.chosen)
     write_json(cluster_summary(cluster, ranks.nodes, ranks.per_node), folder / CLUSTER_FILE)
     notes.print(plain(f"memprof run {shlex.join(command)}: {ranks_word} on"
                       f" {cluster.card or 'the GPUs'}"))

@@ -83,8 +83,8 @@ def rank_reports(folder: Path) -> dict[int, Path]:
 
 def read_cluster(folder: Path, world_size: int | None = None,
                  running: tuple[int, ...] | None = None) -> Cluster:
-    """The ranks of the run in ``folder``; with ``world_size``, those that ran (``running``;
-    default all of them), a report or not."""
+    """The ranks of the run in ``folder``; with ``world_size``, those that ran (``running``,
+    where not all of them did), a report or not."""
     if world_size is None:
         reports = rank_reports(folder)
     else:  # a world of one writes report.json, as a single run does

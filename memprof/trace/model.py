@@ -36,7 +36,7 @@ BUFFERS = "buffers"  # module buffers: causal masks, positional tables, BatchNor
 GRADIENTS = "gradients"
 OPTIMIZER_STATE = "optimizer_state"
 # a distributed run's collective buffers: parameters FSDP gathered, gradients waiting to be
-# reduce-scattered, DDP's buckets (``analysis/categories.is_communication_stack``)
+# reduce-scattered, DDP's buckets (``analysis/categories.communication_overrides``)
 COMMUNICATION = "communication"
 ACTIVATIONS = "activations"
 TEMPORARIES = "temporaries"
@@ -45,8 +45,11 @@ OTHER = "other"
 CATEGORIES = (PARAMETERS, BUFFERS, GRADIENTS, OPTIMIZER_STATE, COMMUNICATION, ACTIVATIONS,
               TEMPORARIES, WORKSPACE, OTHER)
 # what a collective's own code made is a communication buffer unless the script's tensors
-# hold it as one of these (a sharded parameter, a reduce-scattered gradient)
+# hold it otherwise (a sharded parameter, a reduce-scattered gradient): the categories it
+# gives up; parameters FSDP gathered are the module's parameters while they are gathered,
+# and give those up too
 COMMUNICATION_OVERRIDES = (ACTIVATIONS, TEMPORARIES, OTHER)
+GATHERED_OVERRIDES = (PARAMETERS, *COMMUNICATION_OVERRIDES)
 # what some activations were, for savings models: quadratic attention scores saved for
 # backward, and tensors saved by forwards in eval mode that no backward ever used
 ATTENTION_SCORES = "attention_scores"

@@ -19,7 +19,6 @@ from memprof.trace.model import (
     ACTIVATIONS,
     CATEGORIES,
     COMMUNICATION,
-    COMMUNICATION_OVERRIDES,
     EVAL_ACTIVATIONS,
     OTHER,
     TEMPORARIES,
@@ -48,7 +47,7 @@ class LabelHooks(RoleHooks):
                 key = id(event)
                 fallback = OTHER if key in alive else TEMPORARIES
                 category = self._marks.get(key) or self._tracker.known.get(key, fallback)
-                if category in COMMUNICATION_OVERRIDES and key in self._tracker.communication:
+                if category in self._tracker.communication.get(key, ()):
                     category = COMMUNICATION
                 labels.append([index, category])
         return labels

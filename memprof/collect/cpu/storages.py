@@ -139,12 +139,13 @@ class StorageTracker(_PlainMode):
         self.modules: dict[int, str] = {}  # id(alloc event) -> path of the module that made it
         self.scope: Callable[[], str | None] | None = None  # the module allocating now
         self.square_scores: set[int] = set()  # id(alloc event) of T x T outputs of SCORE_OPS
-        self.communication: set[int] = set()  # id(alloc event) made by a collective's code
+        # id(alloc event) -> what it gives up to communication, where a collective made it
+        self.communication: dict[int, tuple[str, ...]] = {}
         self.fused_attention = False  # a scaled_dot_product_attention kernel ran
         # what is keyed by id(alloc event): purged when the ring buffer drops the event
         self.per_event: list[dict[int, Any] | set[int]] = [
             self.known, self.modules, self.square_scores, self.communication]
-        self._collective_code: dict[CodeType, bool | None] = {}
+        self._collective_code: dict[CodeType, tuple[str, ...] | None] = {}
         self._stacks = StackCapture()
         self._live: dict[int, _StorageRef] = {}
         self._empty: dict[int, weakref.ref] = {}  # 0-byte storages: no block, may grow
@@ -349,16 +350,17 @@ class StorageTracker(_PlainMode):
         scope = self.scope
         if scope is not None and (path := scope()) is not None:
             self.modules[id(event)] = path
-        if self._by_collective(frame):
-            self.communication.add(id(event))
+        if gives_up := self._by_collective(frame):
+            self.communication[id(event)] = gives_up
         ref = _StorageRef(st, self._on_free_callback)
         ref.event = event
         ref.key = key
         self._live[key] = ref
         self.events.append(event)
 
-    def _by_collective(self, frame: FrameType | None) -> bool:
-        """Whether a collective's code made the allocation ``frame`` asked for."""
+    def _by_collective(self, frame: FrameType | None) -> tuple[str, ...]:
+        """What the allocation ``frame`` asked for gives up to communication
+        (``communication_call``)."""
         while frame is not None:
             code = frame.f_code
             if code in self._collective_code:
@@ -369,7 +371,7 @@ class StorageTracker(_PlainMode):
             if verdict is not None:
                 return verdict
             frame = frame.f_back
-        return False
+        return ()
 
     def _forget_empty(self, key: int) -> Callable[[weakref.ref], None]:
         """The callback that drops an empty storage's entry when it dies."""

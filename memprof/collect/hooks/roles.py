@@ -88,10 +88,17 @@ class RoleHooks:
                 self.model = self._model_facts()
             if self.model:
                 self.model.update(self._forward.facts(self._fused_attention()))
+            # a seen module's submodules too: those whose forward never ran (a run that
+            # ended early), made by to_empty from the meta device, were never marked
+            marked: set[int] = set()
             for module in list(self._modules):
-                for p in module.parameters(recurse=False):
-                    self._mark_param(p)
-                self._mark_buffers(module)
+                for sub in module.modules():
+                    if id(sub) not in marked:
+                        marked.add(id(sub))
+                        for p in [*sub._parameters.values(), *_fsdp_shards(sub)]:
+                            if p is not None:
+                                self._mark_param(p)
+                        self._mark_buffers(sub)
             for optimizer in list(self._optimizers):
                 for group in optimizer.param_groups:
                     for p in group["params"]:
@@ -211,6 +218,17 @@ class RoleHooks:
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+
+def _fsdp_shards(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The shards of an FSDP2 unit's parameters: while it has gathered them (a run that
+    ended inside its forward or backward), the module holds the gathered ones instead."""
+    state = getattr(module, "_get_fsdp_state", None)
+    try:
+        group = state()._fsdp_param_group if state is not None else None
+        return [] if group is None else [p.sharded_param for p in group.fsdp_params]
+    except (AttributeError, AssertionError):  # another torch's FSDP2, or no state yet
+        return []
 
 
 def _addresses(module: torch.nn.Module) -> tuple[int, ...] | None:

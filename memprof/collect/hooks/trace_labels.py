@@ -23,13 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from memprof.analysis.categories import is_communication_stack
+from memprof.analysis.categories import communication_overrides
 from memprof.trace.events import ACTION, ADDR, SIZE, STACK, TraceEvent, is_recorded
 from memprof.trace.model import (
     ACTIVATIONS,
     CATEGORIES,
     COMMUNICATION,
-    COMMUNICATION_OVERRIDES,
     EVAL_ACTIVATIONS,
     OTHER,
     TEMPORARIES,
@@ -144,8 +143,8 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
     it, ``workspace`` if it is a BLAS library's (``workspaces``: the cuBLAS and the
     separate cuBLASLt workspace's bytes, ``blas_workspace_sizes``) and ``other`` if not.
     ``times``: the clock the sightings used (``event_times`` by default); ``allocs``: the
-    trace's ``Allocs``, if made. What a collective's code made (``is_communication_call``)
-    is ``communication`` unless sighted as model state."""
+    trace's ``Allocs``, if made. What a collective's code made is ``communication`` unless
+    sighted as model state (``communication_call``)."""
     if allocs is None:
         allocs = Allocs(trace, event_times(trace) if times is None else times)
     best: dict[int, str] = {}
@@ -161,17 +160,17 @@ def label_trace(trace: Sequence[Event], sightings: Sequence[Sighting],
     if any(workspaces):
         _find_workspaces(trace, labels, workspaces)
     for label in labels:
-        if label[1] in COMMUNICATION_OVERRIDES and _by_collective(trace[label[0]]):
+        if label[1] in _given_up(trace[label[0]]):
             label[1] = COMMUNICATION
     return labels
 
 
-def _by_collective(alloc: Event | TraceEvent) -> bool:
-    """Whether the innermost Python frame of ``alloc``'s stack is a collective's."""
+def _given_up(alloc: Event | TraceEvent) -> tuple[str, ...]:
+    """What ``alloc`` gives up to communication, from its stack (``communication_call``)."""
     frames = ((f, n) for n, f, _ in alloc[STACK]) if is_recorded(alloc) else (
         (f.get("filename", ""), f.get("name", "")) for f in alloc.get("frames") or ())
-    return is_communication_stack((f, n) for f, n in frames
-                                  if f.endswith(".py") or f == "<string>")
+    return communication_overrides((f, n) for f, n in frames
+                                   if f.endswith(".py") or f == "<string>")
 
 
 def _find_workspaces(trace: Sequence[Event], labels: list[list[Any]],
