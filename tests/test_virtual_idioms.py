@@ -8,6 +8,7 @@ would hold, from the tensor sizes and the caching allocator's 512-byte rounding.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +108,20 @@ def test_module_to_keeps_the_dtype_it_is_given(gpu: VirtualGpu) -> None:
                  lambda m: m.to(dtype=torch.float16, device="cuda:0")):
         model = move(_linear())
         assert (model.weight.device.type, model.weight.dtype) == ("cuda", torch.float16)
+
+
+def test_a_parameter_a_library_references_weakly_moves_to_the_card(gpu: VirtualGpu) -> None:
+    # DeepSpeed names each parameter through weakref.finalize before moving the model
+    model = _linear()
+    weight = model.weight
+    gone: list[str] = []
+    finalizer = weakref.finalize(weight, gone.append, "collected")
+    before = torch.cuda.memory_allocated()
+    model.to("cuda")
+    assert model.weight is weight and weight.is_cuda  # the same object, now on the card
+    assert finalizer.alive and not gone and weakref.getweakrefs(weight)
+    assert torch.cuda.memory_allocated() - before == block(weight.nbytes) + block(
+        model.bias.nbytes)
 
 
 def _large_blocks(recorder: VirtualRecorder, at_least: int) -> list[int]:

@@ -43,6 +43,7 @@ from memprof.collect.virtual.generators import VirtualGenerator
 from memprof.collect.virtual.host_state import HostState
 from memprof.collect.virtual.recorder import VirtualRecorder
 from memprof.collect.virtual.routing import CudaRouting, module_to
+from memprof.collect.virtual.subclasses import swapping
 from memprof.collect.virtual.tensor import VirtualTensor, set_card_index
 from memprof.collect.virtual.value_sizes import LargestSizes
 from memprof.trace.model import AllocatorSettings
@@ -89,6 +90,7 @@ class VirtualGpu:
         # own, where the (thread-local) mode does not reach
         patches[(torch.Tensor, "pin_memory")] = _pinned
         patches[(torch.nn.Module, "to")] = module_to(torch.nn.Module.to)
+        patches[(torch.utils, "swap_tensors")] = swapping(torch.utils.swap_tensors)
         patches[(torch.autograd, "_engine_run_backward")] = self._backward
         patches[(torch._C, "_group_tensors_by_device_and_dtype")] = _grouped_on_card(
             torch._C._group_tensors_by_device_and_dtype)

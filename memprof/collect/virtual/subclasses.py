@@ -16,6 +16,8 @@ parameter), as ``set_data`` does on a card.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -113,4 +115,36 @@ def set_data(target: torch.Tensor, value: torch.Tensor) -> None:
     if isinstance(target, torch.nn.Parameter):
         made._is_param = True
     torch.utils.swap_tensors(target, made)
+
+
+def swapping(swap_tensors: Callable[[torch.Tensor, torch.Tensor], None]
+             ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``torch.utils.swap_tensors`` that turns a host tensor into its virtual twin even
+    where a library holds a weak reference to it (DeepSpeed names each parameter through
+    ``weakref.finalize``): the swap keeps the object, so the reference still reaches it
+    and what it now holds, as ``set_data`` keeps a card's parameter on ``.to("cuda")``.
+    PyTorch refuses any weakly referenced tensor; ``Module._apply`` swaps a parameter
+    for a virtual one."""
+    @functools.wraps(swap_tensors)
+    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if (kind_of(t1) is None and kind_of(t2) is not None and weakref.getweakrefs(t1)
+                and not weakref.getweakrefs(t2)):
+            seen = torch.utils.weakref
+            torch.utils.weakref = _Unseen(t1)  # type: ignore[attr-defined]
+            try:
+                return swap_tensors(t1, t2)
+            finally:
+                torch.utils.weakref = seen  # type: ignore[attr-defined]
+        return swap_tensors(t1, t2)
+    return swap
+
+
+class _Unseen:
+    """The ``weakref`` module, as ``swap_tensors`` reads it, without ``hidden``'s refs."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self._hidden = hidden
+
+    def getweakrefs(self, obj: object) -> list[Any]:
+        return [] if obj is self._hidden else weakref.getweakrefs(obj)
 
