@@ -435,6 +435,8 @@ def test_some_ranks_of_a_world_of_eight_run_alone_with_their_own_shards(
         "report-rank0.json", "report-rank5.json", "report-rank7.json"]
     assert "ranks 0, 5, 7 of 8 (--ranks)" in result.stderr
     assert "5 of the world's 8 ranks were not run" in result.stderr
+    # every rank reads a loss's value: memprof says what that value is once for them all
+    assert result.stderr.count("large tensors hold no values") == 1
 
 
 def test_a_run_that_ends_inside_a_forward_holds_every_shard_and_its_gathered_units(
@@ -465,7 +467,7 @@ def test_an_object_from_a_rank_not_run_is_this_ranks_own(runs: dict[str, Future[
     # rank 0 sends its object to rank 3, which ran; ranks 1 and 2 send what each sends
     assert sorted(result.stdout.splitlines()) == [
         "rank 0: {'from': 0} [0, 0, 0, 3]", "rank 3: {'from': 0} [0, 3, 3, 3]"]
-    assert result.stderr.count("an object collective involves ranks not run") == 2
+    assert result.stderr.count("an object collective involves ranks not run") == 1  # once
 
 
 def test_ranks_are_chosen_among_the_worlds_on_virtual_cards_only(tmp_path: Path) -> None:

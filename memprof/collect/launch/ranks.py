@@ -5,7 +5,8 @@
 Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT``,
 ``TORCHELASTIC_RUN_ID``, and ``OMP_NUM_THREADS=1`` unless set), its output goes where this
-process's goes, and its exit code is kept. As torchrun's agent does, this process hosts the
+process's goes (memprof's own notes once for all the ranks: ``collect/notices.py``), and its
+exit code is kept. As torchrun's agent does, this process hosts the
 store the ranks meet at (``TORCHELASTIC_USE_AGENT_STORE``): no rank waits for the others
 to connect, so ``Ranks.chosen`` may run some ranks of a world only (their names in
 :data:`RANKS_RUN`, for the object collectives, ``collect/virtual/objects.py``). The M
@@ -21,10 +22,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 
+from memprof.collect.notices import SAID_DIR
 from memprof.errors import MemprofError
 
 GRACE_S = 60.0  # after a rank failed, how long the others may still run
@@ -93,7 +96,9 @@ def run_ranks(ranks: Ranks, command: list[str]) -> list[RankExit]:
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port, run_id = store.port, uuid.uuid4().hex[:12]
-    base = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    said = tempfile.TemporaryDirectory(prefix="memprof-said-")  # a note, once for all ranks
+    base = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            SAID_DIR: said.name}
     running = [subprocess.Popen(command, env={**base, **ranks.environment(r, port, run_id)})
                for r in ranks.running]
     stopped: set[int] = set()
@@ -110,6 +115,7 @@ def run_ranks(ranks: Ranks, command: list[str]) -> list[RankExit]:
     finally:
         signal.signal(signal.SIGTERM, previous)
     del store  # after every rank: the ranks' store lives as long as they do
+    said.cleanup()
     return [RankExit(r, p.returncode, i in stopped)
             for i, (r, p) in enumerate(zip(ranks.running, running, strict=True))]
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch._weights_only_unpickler as weights_only
 from torch.serialization import _package_registry
 from torch.utils._pytree import tree_leaves, tree_map
 
+from memprof.collect.notices import say
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor, adopt, virtual_like
 
 _REBUILD = torch._utils._rebuild_wrapper_subclass
@@ -103,9 +103,9 @@ class Checkpoints:
             target, os.path.join(self._scratch, f"{len(self._redirects)}.pt"))
         if not self._told:
             self._told = True
-            print(f"memprof: virtual GPU: torch.save({os.fspath(f)}) holds virtual tensors (no"
-                  " weights): it went to a scratch file, the path is left as it was, and"
-                  " torch.load in this run reads it back", file=sys.stderr)
+            say(f"memprof: virtual GPU: torch.save({os.fspath(f)}) holds virtual tensors (no"
+                " weights): it went to a scratch file, the path is left as it was, and"
+                " torch.load in this run reads it back")
         self._save(obj, scratch, *args, **kwargs)
 
     def _to_host(self, storage: Any, location: str) -> Any:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from memprof.collect.launch.script import Outcome
+from memprof.collect.notices import say
 from memprof.collect.virtual import subclasses
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor
 
@@ -254,7 +255,7 @@ def _largest_outliers() -> torch.library.Library | None:
 def _say_once(key: str, text: str) -> None:
     if key not in _told:
         _told.add(key)
-        print(text, file=sys.stderr)
+        say(text)
 
 
 def extension_failure(outcome: Outcome) -> str | None:

@@ -13,7 +13,6 @@ however often: the script may compute with it on the CPU.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from memprof.collect.notices import say
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor, virtual_like
 from memprof.report.units import format_bytes
 
@@ -77,10 +77,10 @@ class HostState:
         if self.kept + size > self.budget:
             if not self.passed:
                 self.passed = True
-                print(f"memprof: virtual GPU: the model state built on the host passed"
-                      f" {format_bytes(self.budget)}; beyond it memprof keeps it without values"
-                      " (for .cuda()); a script that trains on the CPU should run with --device"
-                      " cpu", file=sys.stderr)
+                say(f"memprof: virtual GPU: the model state built on the host passed"
+                    f" {format_bytes(self.budget)}; beyond it memprof keeps it without values"
+                    " (for .cuda()); a script that trains on the CPU should run with --device"
+                    " cpu")
             return False
         self.kept += size
         self._real.add(id(t))

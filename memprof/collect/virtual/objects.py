@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import os
 import pickle
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from memprof.collect.launch.ranks import RANKS_RUN
+from memprof.collect.notices import say
 
 _PREFIX = "memprof-objects"
 
@@ -150,10 +150,9 @@ class ObjectCollectives:
             return True
         if not self._told:
             self._told = True
-            print(f"memprof: rank {dist.get_rank()}: an object collective involves ranks not"
-                  " run (--ranks): each is taken to send what this rank sends, and a"
-                  " broadcast or scatter from one leaves this rank's objects as they were",
-                  file=sys.stderr)
+            say("memprof: an object collective involves ranks not run (--ranks): each is"
+                " taken to send what the receiving rank sends, and a broadcast or scatter"
+                " from one leaves the receiving rank's objects as they were")
         return False
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from memprof.collect.notices import say
 from memprof.collect.virtual import values
 from memprof.collect.virtual.autocast import AUTOCAST_CUDA
 from memprof.collect.virtual.collectives import COLLECTIVES, collective
@@ -64,11 +65,11 @@ def placeholder_notice() -> None:
     if not _told:
         _told = True
         where = _script_line()
-        print(f"memprof: virtual GPU: {where + ' reads' if where else 'the script reads'} the"
-              f" values of a CUDA tensor of more than {values.SMALL} elements, or one computed"
-              " from one: large tensors hold no values, so .item(), .tolist(), printing and"
-              " .numpy() give zeros there; sizes or branches that depend on them may differ"
-              " from the card's", file=sys.stderr)
+        say(f"memprof: virtual GPU: {where + ' reads' if where else 'the script reads'} the"
+            f" values of a CUDA tensor of more than {values.SMALL} elements, or one computed"
+            " from one: large tensors hold no values, so .item(), .tolist(), printing and"
+            " .numpy() give zeros there; sizes or branches that depend on them may differ"
+            " from the card's")
 
 
 def _script_line() -> str | None:

@@ -10,12 +10,12 @@ error, which says so and what to do instead.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 import torch.fx.experimental._config as fx_config
 
+from memprof.collect.notices import say
 from memprof.collect.virtual.unsupported import VirtualGpuUnsupported
 
 _ASSUME_ALL = "meta_nonzero_assume_all_nonzero"
@@ -61,9 +61,8 @@ def note_sized_by_values(func: Any, args: tuple) -> None:
     if _told or not (func is _NONZERO or (func is _INDEX and _has_mask(args))):
         return
     _told = True
-    print("memprof: virtual GPU: sizes that depend on values (nonzero, torch.where(mask),"
-          " boolean-mask indexing) are taken at their largest, every element selected",
-          file=sys.stderr)
+    say("memprof: virtual GPU: sizes that depend on values (nonzero, torch.where(mask),"
+        " boolean-mask indexing) are taken at their largest, every element selected")
 
 
 def _has_mask(args: tuple) -> bool:
