@@ -1,7 +1,7 @@
-"""``memprof suggest``'s remedies from facts about the forward pass (fused attention,
-``no_grad`` for evaluation, ``zero_grad(set_to_none=True)``), on runs of
-``tests/scripts/attention_train.py`` on the virtual H100: exact bytes at the peak, and
-absent where the script already does the right thing."""
+"""``memprof suggest``'s remedies from facts about the forward pass (fused attention, a
+chunked cross-entropy, ``no_grad`` for evaluation, ``zero_grad(set_to_none=True)``), on runs
+of ``tests/scripts/attention_train.py`` and the transformer sample on the virtual H100:
+exact bytes at the peak, and absent where the script already does the right thing."""
 
 from __future__ import annotations
 
@@ -12,14 +12,20 @@ from types import ModuleType
 
 import pytest
 import torch
-from test_run_cli import block, memprof_run
+from test_run_cli import SAMPLES, block, memprof_run
 from test_suggest import advice_json
 
 from memprof.advise.advice import advise
 from memprof.advise.budget import parse_budget
 from memprof.advise.forward_remedies import forward_remedies
 from memprof.advise.source import load_run
-from memprof.trace.model import ACTIVATIONS, ATTENTION_SCORES, EVAL_ACTIVATIONS, GRADIENTS
+from memprof.trace.model import (
+    ACTIVATIONS,
+    ATTENTION_SCORES,
+    EVAL_ACTIVATIONS,
+    GRADIENTS,
+    LOSS_LOGITS,
+)
 
 SCRIPT = Path(__file__).parent / "scripts" / "attention_train.py"
 KEYS = {"fused_attention", "no_grad_eval", "zero_grad_set_to_none"}
@@ -158,3 +164,25 @@ def test_sdpa_on_the_cpus_math_fallback_counts_as_fused_attention():
         optimizer.step()
     attention = recorder.snapshot()["memprof"]["model"]["attention"]
     assert attention["fused"] is True and attention["score_shape"] == [2, 4, 64, 64]
+
+
+def test_a_cross_entropy_over_a_vocabulary_is_offered_in_chunks(tmp_path: Path) -> None:
+    vocab, rows = 8192, 4 * 64  # batch x seq rows of log-probabilities
+    sizes = ("--steps", "2", "--batch", "4", "--seq", "64")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda run: memprof_run(tmp_path, "-o", *run), (
+            ("wide", SAMPLES / "transformer_lm.py", *sizes, "--vocab", str(vocab)),
+            ("narrow", SAMPLES / "transformer_lm.py", *sizes, "--vocab", "256"))))
+    assert all(r.code == 0 for r in results), [r.stderr for r in results]
+    advice = advise(load_run(tmp_path / "wide"), parse_budget("1MiB"))
+    start = advice.start
+    log_probabilities = rows * vocab * 4  # fp32, saved by log_softmax for backward
+    assert start.tagged(LOSS_LOGITS) == log_probabilities
+    chunked = {r.remedy.key: r.remedy for r in advice.ranked}["chunked_loss"]
+    # one chunk of rows of eight is kept at a time
+    assert start.at_peak[ACTIVATIONS] - chunked.change(start).at_peak[ACTIVATIONS] == (
+        log_probabilities - log_probabilities // 8)
+    compile(chunked.snippet, "<snippet>", "exec")
+    # a classifier's few classes are no vocabulary: nothing to chunk
+    narrow = advise(load_run(tmp_path / "narrow"), parse_budget("1MiB"))
+    assert "chunked_loss" not in {r.remedy.key for r in narrow.ranked}

@@ -1,7 +1,8 @@
 """Remedies that need facts ``memprof run`` records about the forward pass: fused
-attention where quadratic attention scores are saved for backward, ``no_grad`` for
-evaluation passes run with grad enabled, and ``zero_grad(set_to_none=True)`` where
-gradients are zeroed and kept through the next forward pass.
+attention where quadratic attention scores are saved for backward, a chunked (or fused)
+cross-entropy where a vocabulary's log-probabilities are, ``no_grad`` for evaluation
+passes run with grad enabled, and ``zero_grad(set_to_none=True)`` where gradients are
+zeroed and kept through the next forward pass.
 
 Each saves bytes alive at the peak only: the tagged activations (``report.json``'s
 ``tagged``) or the gradients at the activation moment. None can be applied by
@@ -12,16 +13,19 @@ from __future__ import annotations
 
 from memprof.advise.peak import Peak
 from memprof.advise.remedies import SEEDS, Context, Remedy
-from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS, GRADIENTS
+from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS, GRADIENTS, LOSS_LOGITS
 
 SCORES_SHARE = 0.03  # attention scores under this share of the peak: not worth a rewrite
+LOSS_SHARE = 0.03  # the same for a cross-entropy's log-probabilities
+LOSS_CHUNKS = 8  # the chunked loss's chunks of rows: one chunk's log-probabilities at a time
 LSE_BYTES = 4  # SDPA keeps an fp32 logsumexp per row of scores for backward
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def forward_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
     """The remedies of this module that apply to the run."""
-    return _fused_attention(peak, ctx) + _no_grad(peak, ctx) + _set_to_none(peak, ctx)
+    return (_fused_attention(peak, ctx) + _chunked_loss(peak, ctx) + _no_grad(peak, ctx)
+            + _set_to_none(peak, ctx))
 
 
 def _fused_attention(peak: Peak, ctx: Context) -> list[Remedy]:
@@ -46,6 +50,36 @@ def _fused_attention(peak: Peak, ctx: Context) -> list[Remedy]:
         "# (is_causal=True for a causal mask, attn_mask=mask for another one):\n"
         "out = torch.nn.functional.scaled_dot_product_attention(\n"
         "    q, k, v, is_causal=True, dropout_p=dropout if self.training else 0.0)")]
+
+
+def _chunked_loss(peak: Peak, ctx: Context) -> list[Remedy]:
+    facts = ctx.model.get("loss")
+    held = peak.tagged(LOSS_LOGITS)
+    if not facts or held < LOSS_SHARE * peak.allocated:
+        return []
+    shape = facts["shape"]
+    rows, classes = (shape[0] if len(shape) > 1 else 1), shape[-1]
+    liger = ("# TrainingArguments(..., use_liger_kernel=True)  # pip install liger-kernel: its"
+             " fused\n# linear cross-entropy never makes the logits whole; or by hand:\n"
+             if ctx.trainer else "")
+    return [Remedy(
+        "chunked_loss", f"the cross-entropy over the {classes:,}-class vocabulary in"
+        f" {LOSS_CHUNKS} chunks of rows", "loss", 2,
+        "none: the same loss; the output layer runs once per chunk (Liger Kernel's fused"
+        " linear cross-entropy does it in one kernel)", SEEDS["loss"],
+        f"the log-probabilities a cross-entropy saves for backward ({rows:,} x {classes:,}"
+        f" {facts['dtype']} the largest, {held:,} bytes at the peak) are kept for one chunk"
+        f" of rows at a time, 1/{LOSS_CHUNKS} of them; the logits the script holds itself"
+        " (and an fp32 copy of them) go too where it stops holding them: not counted here",
+        lambda p: p.without_tag(LOSS_LOGITS, 1 - 1 / LOSS_CHUNKS),
+        f"{liger}# instead of F.cross_entropy(model.head(hidden).flatten(0, -2), targets"
+        ".flatten()):\n"
+        "def chunk_loss(h, t):  # the output layer and the loss of one chunk of rows\n"
+        "    return F.cross_entropy(model.head(h).float(), t, reduction=\"sum\")\n"
+        "rows, labels = hidden.flatten(0, -2), targets.flatten()\n"
+        "loss = sum(torch.utils.checkpoint.checkpoint(chunk_loss, h, t, use_reentrant=False)\n"
+        f"           for h, t in zip(rows.chunk({LOSS_CHUNKS}), labels.chunk({LOSS_CHUNKS})))"
+        " / labels.numel()")]
 
 
 def _no_grad(peak: Peak, ctx: Context) -> list[Remedy]:

@@ -37,6 +37,9 @@ SEEDS = {
                      " square of the sequence length)",
     "003_stages": "seed 003 (memory grows in stages: the graph in forward, gradients in"
                   " backward, the optimizer's temporaries)",
+    "loss": "not a seed: a language model's cross-entropy keeps fp32 log-probabilities of"
+            " every token over the whole vocabulary (Liger Kernel's fused linear"
+            " cross-entropy, chunked losses)",
 }
 BLOCK_INPUT_SHARE = 0.06  # a transformer block's input against the activations it saves
 MICRO_BATCHES = (2, 4, 8, 16)

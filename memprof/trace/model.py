@@ -54,7 +54,8 @@ GATHERED_OVERRIDES = (PARAMETERS, *COMMUNICATION_OVERRIDES)
 # backward, and tensors saved by forwards in eval mode that no backward ever used
 ATTENTION_SCORES = "attention_scores"
 EVAL_ACTIVATIONS = "eval_activations"
-TAGS = (ATTENTION_SCORES, EVAL_ACTIVATIONS)
+LOSS_LOGITS = "loss_logits"  # the log-probabilities a cross-entropy over a vocabulary saves
+TAGS = (ATTENTION_SCORES, EVAL_ACTIVATIONS, LOSS_LOGITS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,8 @@ class LabelHooks(RoleHooks):
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         for event in self._tracker.alloc_events(t):
             key = id(event)
-            tag = self._forward.tag(t, key in self._tracker.square_scores)
+            tag = self._forward.tag(t, key in self._tracker.square_scores,
+                                    key in self._tracker.log_probabilities)
             if tag is not None:
                 self._tags.setdefault(key, tag)
                 self._eval_tagged |= tag == EVAL_ACTIVATIONS

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from memprof.collect.cpu.score_ops import FUSED_ATTENTION_OPS, SCORE_OPS
+from memprof.collect.cpu.score_ops import FUSED_ATTENTION_OPS, LOSS_OPS, SCORE_OPS
 
 MAY_ALIAS = 1  # an output may share an input's storage
 SCORES = 2  # an output may be attention scores (SCORE_OPS)
 FUSED = 4  # a fused attention kernel (FUSED_ATTENTION_OPS)
 VIEW = 8  # every output is a view of an input: the op makes no storage
+LOSS = 16  # an output may be a cross-entropy's log-probabilities (LOSS_OPS)
 
 # aten ops whose outputs share an input's storage though the schema does not say so
 # (torch's SchemaCheckMode exempts the first ones; lift returns its input itself)
@@ -62,4 +63,5 @@ def _decide(func: object) -> int:
     packet = getattr(func, "overloadpacket", None)
     return ((MAY_ALIAS if aliases else 0) | (VIEW if views else 0)
             | (SCORES if packet in SCORE_OPS else 0)
-            | (FUSED if packet in FUSED_ATTENTION_OPS else 0))
+            | (FUSED if packet in FUSED_ATTENTION_OPS else 0)
+            | (LOSS if packet in LOSS_OPS else 0))

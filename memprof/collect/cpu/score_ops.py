@@ -29,6 +29,17 @@ FUSED_ATTENTION_OPS = _packets(
     "_efficient_attention_forward")
 
 
+# a cross-entropy's log-probabilities (F.cross_entropy, nll_loss of log_softmax), kept for
+# backward: (N, classes), and worth a loss remedy where the classes are a vocabulary
+LOSS_OPS = _packets("_log_softmax")
+VOCABULARY = 1024  # classes from which a log-softmax output is a language model's
+
+
 def is_square(t: torch.Tensor) -> bool:
     """A batch of ``T x T`` matrices (at least 3 dimensions, T > 1)."""
     return t.dim() >= 3 and t.size(-1) == t.size(-2) > 1
+
+
+def is_vocabulary_wide(t: torch.Tensor) -> bool:
+    """Rows of at least :data:`VOCABULARY` classes."""
+    return t.dim() >= 1 and t.size(-1) >= VOCABULARY

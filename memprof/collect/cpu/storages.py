@@ -41,8 +41,8 @@ from torch.utils._python_dispatch import (
 )
 
 from memprof.analysis.categories import communication_call
-from memprof.collect.cpu.op_facts import FUSED, MAY_ALIAS, SCORES, VIEW, op_facts
-from memprof.collect.cpu.score_ops import is_square
+from memprof.collect.cpu.op_facts import FUSED, LOSS, MAY_ALIAS, SCORES, VIEW, op_facts
+from memprof.collect.cpu.score_ops import is_square, is_vocabulary_wide
 from memprof.collect.cpu.storage_resize import ResizeWatch
 from memprof.collect.frames import StackCapture
 from memprof.collect.recording import requested_peak
@@ -139,12 +139,14 @@ class StorageTracker(_PlainMode):
         self.modules: dict[int, str] = {}  # id(alloc event) -> path of the module that made it
         self.scope: Callable[[], str | None] | None = None  # the module allocating now
         self.square_scores: set[int] = set()  # id(alloc event) of T x T outputs of SCORE_OPS
+        self.log_probabilities: set[int] = set()  # of vocabulary-wide outputs of LOSS_OPS
         # id(alloc event) -> what it gives up to communication, where a collective made it
         self.communication: dict[int, tuple[str, ...]] = {}
         self.fused_attention = False  # a scaled_dot_product_attention kernel ran
         # what is keyed by id(alloc event): purged when the ring buffer drops the event
         self.per_event: list[dict[int, Any] | set[int]] = [
-            self.known, self.modules, self.square_scores, self.communication]
+            self.known, self.modules, self.square_scores, self.log_probabilities,
+            self.communication]
         self._collective_code: dict[CodeType, tuple[str, ...] | None] = {}
         self._stacks = StackCapture()
         self._live: dict[int, _StorageRef] = {}
@@ -285,7 +287,7 @@ class StorageTracker(_PlainMode):
                         continue
                     frame = frame or self._op_frame()
                     self._alloc(st, key, frame)
-                    if facts & (SCORES | FUSED):
+                    if facts & (SCORES | FUSED | LOSS):
                         self._classify(facts, t)
 
     def _trim(self) -> list[int]:
@@ -324,6 +326,8 @@ class StorageTracker(_PlainMode):
         """Note what the new allocation's op (``op_facts``) tells the savings models."""
         if facts & SCORES and is_square(t):
             self.square_scores.add(id(self.events[-1]))
+        if facts & LOSS and is_vocabulary_wide(t):
+            self.log_probabilities.add(id(self.events[-1]))
         if facts & FUSED:
             self.fused_attention = True
 

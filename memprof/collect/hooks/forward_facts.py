@@ -4,8 +4,9 @@ While installed: a stack of the modules whose forward is running (``before`` and
 ``after``, called by the role hooks' global forward hooks), and wrappers around
 ``Optimizer.zero_grad`` and ``Module.zero_grad`` that record the ``set_to_none`` the script
 passes. ``tag`` says what a tensor autograd saves for backward is: quadratic attention
-scores (a ``T x T`` output of a score op, ``score_ops.py``), or an activation of a forward
-run in eval mode (``model.eval()``) with grad enabled. The label hooks drop the eval tag
+scores (a ``T x T`` output of a score op, ``score_ops.py``), a cross-entropy's
+log-probabilities over a vocabulary, or an activation of a forward run in eval mode
+(``model.eval()``) with grad enabled. The label hooks drop the eval tag
 from tensors a backward reads, so what remains was saved by forwards that nothing
 backpropagated (evaluation without ``no_grad``). It also notes the module classes the
 script runs under activation checkpointing in training (``checkpointed.py``), and whether
@@ -23,7 +24,7 @@ import torch
 
 from memprof.collect.frames import HIDDEN_CODES
 from memprof.collect.hooks.checkpointed import is_checkpoint, module_caller, under_checkpoint
-from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS
+from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS, LOSS_LOGITS
 
 _ZERO_GRADS: tuple[type, ...] = (torch.optim.Optimizer, torch.nn.Module)
 
@@ -40,6 +41,9 @@ class ForwardFacts:
         self.eval_module: str | None = None  # the outermost module of an eval forward
         self.checkpointed: set[str] = set()  # classes the script runs under checkpointing
         self._largest = 0
+        # the largest log-probabilities a cross-entropy saved: its shape and dtype
+        self.loss: dict[str, Any] | None = None
+        self._largest_loss = 0
         self.loaded_state_dict = False  # the script loaded weights into a module
         self._originals: list[tuple[type, str, Callable[..., Any]]] = []
 
@@ -75,7 +79,8 @@ class ForwardFacts:
         elif outer is not None and under_checkpoint(caller):  # the outer forward checkpoints
             self.checkpointed.add(outer)
 
-    def tag(self, t: torch.Tensor, square_score: bool) -> str | None:
+    def tag(self, t: torch.Tensor, square_score: bool, log_probabilities: bool = False
+            ) -> str | None:
         """What a tensor saved for backward is, if a savings model needs to know."""
         if self.stack and not self.stack[0].training:  # no_grad would save nothing at all
             self.eval_module = self.eval_module or type(self.stack[0]).__name__
@@ -83,6 +88,12 @@ class ForwardFacts:
         if square_score:
             self._note_score(t)
             return ATTENTION_SCORES
+        if log_probabilities:
+            size = t.numel() * t.element_size()
+            if size > self._largest_loss:
+                self._largest_loss = size
+                self.loss = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            return LOSS_LOGITS
         return None
 
     def facts(self, fused: bool) -> dict[str, Any]:
@@ -95,6 +106,7 @@ class ForwardFacts:
                           "score_dtype": self.score_dtype, "module": self.score_module}
             if seen else None,
             "eval_module": self.eval_module,
+            "loss": self.loss,
             "checkpointed": sorted(self.checkpointed),
             "loaded_state_dict": self.loaded_state_dict,
         }
