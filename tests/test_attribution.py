@@ -78,6 +78,12 @@ def test_module_bytes_at_the_peak_are_exact(runs: dict[str, Future[Any]], kind: 
     assert set(modules) == {"Net", *(f"blocks.{i}.mlp.{m}" for i in range(SIZES["blocks"])
                                      for m in ("fc", "act", "proj")),
                             *(f"blocks.{i}" for i in range(SIZES["blocks"]))}
+    # each block's modules summed over the blocks, with their count; the root is no block
+    n = SIZES["blocks"]
+    summed = {m["module"]: (m["bytes"], m["instances"]) for m in device["repeated_modules"]}
+    assert summed == {"blocks.*.mlp.fc": (n * fc, n), "blocks.*.mlp.act": (n * activation, n),
+                      "blocks.*.mlp.proj": (n * proj, n),
+                      "blocks.*": (n * block(batch * width * F32), n)}
     peak = device["peak"]["allocated_bytes"]
     first = device["top_modules"][0]
     assert first["module"] == "blocks.0.mlp.fc" and first["count"] == 3
@@ -124,7 +130,9 @@ def test_the_console_shows_buffers_and_the_module_table(runs: dict[str, Future[A
     result, _ = runs["cpu"].result()
     assert re.search(r"buffers \(module state\) +1\.00 KiB", result.stderr)
     assert "Top modules at the peak" in result.stderr
-    assert re.search(r"  blocks\.0\.mlp\.fc  ", result.stderr)
+    # the blocks' modules summed, with their count, before single modules
+    assert re.search(r"  blocks\.\*\.mlp\.fc x2  ", result.stderr)
+    assert "blocks.0.mlp.fc" not in result.stderr
 
 
 def test_snapshots_from_elsewhere_have_no_modules() -> None:

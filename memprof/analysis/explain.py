@@ -27,7 +27,7 @@ from memprof.analysis.findings import (
     Timeline,
 )
 from memprof.analysis.intervals import Intervals, intervals
-from memprof.analysis.modules import in_block, model_frame, rank_modules
+from memprof.analysis.modules import in_block, model_frame, rank_modules, rank_repeated
 from memprof.analysis.peak_detail import PeakDetail, Row, peak_detail
 from memprof.analysis.replay import Check, Moment, Replay, replay
 from memprof.analysis.settings import unmodelled
@@ -244,8 +244,8 @@ class _Describer:
         ranked = sorted(groups.items(), key=lambda kv: (-kv[1][1], kv[0]))[: top or self.top]
         sites = [SiteUsage(label, s.user, s.call, b, c, b / total if total else 0.0)
                  for label, (s, b, c) in ranked]
-        return Live(total, categories, sites, self._modules(events, sizes, frames, total, top),
-                    in_blocks, requested)
+        modules, repeated = self._modules(events, sizes, frames, total, top)
+        return Live(total, categories, sites, modules, repeated, in_blocks, requested)
 
     def detail(self, index: int, segments: dict[int, tuple[int, int, tuple[int, int], bool,
                                                           bool]]) -> PeakDetail:
@@ -269,14 +269,17 @@ class _Describer:
         return self._once("site", stack, site_of) if stack or event >= 0 else BEFORE_WINDOW
 
     def _modules(self, events: list[int], sizes: list[int], frames: list[Frames], total: int,
-                 top: int | None) -> list[ModuleUsage]:
+                 top: int | None) -> tuple[list[ModuleUsage], list[ModuleUsage]]:
+        """The top modules, and the top patterns of repeated blocks (``rank_repeated``)."""
         if not self.modules:
-            return []
+            return [], []
         paths = self.modules
         rows = ((paths[e], size, self._once("model frame", stack,
                                             lambda f: model_frame(f, self.model_files)))
                 for e, size, stack in zip(events, sizes, frames, strict=True) if e in paths)
-        return rank_modules(rows, total, top or self.top)
+        rows = list(rows)
+        return (rank_modules(rows, total, top or self.top),
+                rank_repeated(rows, total, top or self.top))
 
     def _frames(self, event: int, initial: int) -> Frames:
         if event >= 0 and self.trace is not None:

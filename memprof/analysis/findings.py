@@ -32,6 +32,8 @@ class ModuleUsage:
     count: int
     share: float
     frame: Frame | None  # the model-code line that allocated most of them
+    # the module lists' elements it sums (``layers.*.mlp``: one per layer); 1 for a module
+    instances: int = 1
 
 
 @dataclass(slots=True)
@@ -42,6 +44,9 @@ class Live:
     categories: dict[str, int]
     sites: list[SiteUsage]
     modules: list[ModuleUsage] = field(default_factory=list)
+    # the same, summed over the elements of module lists (``layers.*.mlp``), where a
+    # pattern has at least two: what a repeated block holds in all
+    repeated_modules: list[ModuleUsage] = field(default_factory=list)
     # bytes by category that the elements of module lists held (``blocks.3``,
     # ``transformer.h.0``: the repeated blocks); empty where modules are unknown
     in_blocks: dict[str, int] = field(default_factory=dict)

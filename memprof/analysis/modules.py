@@ -39,6 +39,34 @@ def rank_modules(rows: Iterable[tuple[str, int, Frame | None]], total: int, top:
             for path, ((held, count), frames) in ranked]
 
 
+def rank_repeated(rows: Iterable[tuple[str, int, Frame | None]], total: int, top: int
+                  ) -> list[ModuleUsage]:
+    """The ``top`` patterns of repeated blocks' modules (``layers.*.mlp``, ``repeated``) by
+    bytes, each summing at least two modules, from the rows ``rank_modules`` takes."""
+    rows = list(rows)
+    pattern = {path: repeated(path) for path in {p for p, _, _ in rows}}
+    instances: dict[str, set[str]] = {}
+    for path, star in pattern.items():
+        if star != path:
+            instances.setdefault(star, set()).add(path)
+    summed = rank_modules(((pattern[p], size, frame) for p, size, frame in rows
+                           if len(instances.get(pattern[p], ())) > 1), total, top)
+    for m in summed:
+        m.instances = len(instances[m.module])
+    return summed
+
+
+def repeated(path: str) -> str:
+    """``path`` with the index of its outermost module list made ``*`` (``layers.3.mlp.0``:
+    ``layers.*.mlp.0``; a list inside a block, ``mlp.0`` and ``mlp.2``, holds different
+    modules); the first part, a root's name, is kept."""
+    parts = path.split(".")
+    at = next((i for i, part in enumerate(parts) if i and part.isdigit()), None)
+    if at is not None:
+        parts[at] = "*"
+    return ".".join(parts)
+
+
 def in_block(path: str) -> bool:
     """Whether a module path lies inside an element of a module list or sequence (a part
     after the first dotted part is a number: ``blocks.3.attn``, ``transformer.h.0``)."""

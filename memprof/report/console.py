@@ -20,6 +20,7 @@ from memprof.analysis.findings import (
     StepGrowth,
     StepPeak,
 )
+from memprof.analysis.modules import repeated
 from memprof.analysis.sites import short_path
 from memprof.analysis.steps import WARMUP_STEPS
 from memprof.report.text import plain, visible
@@ -167,9 +168,11 @@ def sites_table(live: Live, moment: str) -> Table:
 
 
 def modules_table(live: Live, moment: str) -> Table:
-    """The nn.Modules whose allocations held the most memory at ``moment``."""
-    t = Table(title=f"Top modules {moment} (the innermost one running at each allocation)",
-              title_justify="left", box=None, header_style="bold")
+    """The nn.Modules whose allocations held the most memory at ``moment``: repeated
+    blocks summed first (``layers.*.mlp x32``), then the modules outside them."""
+    summed = " (repeated blocks summed first)" if live.repeated_modules else ""
+    t = Table(title=f"Top modules {moment} (the innermost one running at each allocation)"
+              f"{summed}", title_justify="left", box=None, header_style="bold")
     t.add_column("bytes", justify="right")
     t.add_column("share", justify="right")
     t.add_column("blocks", justify="right")
@@ -177,8 +180,12 @@ def modules_table(live: Live, moment: str) -> Table:
     framed = any(m.frame for m in live.modules)  # none where no stacks were recorded
     if framed:
         t.add_column("model code")
-    for m in live.modules:
-        row = [fb(m.bytes), f"{100 * m.share:.1f}%", f"{m.count:,}", plain(m.module)]
+    patterns = {m.module for m in live.repeated_modules}
+    rows = [*live.repeated_modules, *(m for m in live.modules
+                                      if repeated(m.module) not in patterns)]
+    for m in rows[:max(len(live.modules), len(live.repeated_modules))]:
+        name = f"{m.module} x{m.instances}" if m.instances > 1 else m.module
+        row = [fb(m.bytes), f"{100 * m.share:.1f}%", f"{m.count:,}", plain(name)]
         if framed:
             row.append(plain(f"{short_path(m.frame.filename, 1)}:{m.frame.line} {m.frame.name}"
                              if m.frame else ""))

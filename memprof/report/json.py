@@ -75,6 +75,8 @@ def _device(d: DeviceFindings) -> dict[str, Any]:
         "tagged": None if d.tagged is None else {k: asdict(v) for k, v in d.tagged.items()},
         "top_sites": [_site(s) for s in d.at_peak.sites],
         "top_modules": [_module(m) for m in d.at_peak.modules],
+        # the same summed over repeated blocks (``layers.*.mlp``), with their count
+        "repeated_modules": [_module(m) for m in d.at_peak.repeated_modules],
         "fragmentation": {
             "unallocated_at_peak_bytes": frag.unallocated_at_peak_bytes,
             "largest_free_block_at_peak_bytes": frag.largest_free_block_at_peak_bytes,
@@ -119,6 +121,7 @@ def _module(m: ModuleUsage) -> dict[str, Any]:
         "count": m.count,
         "share": round(m.share, 6),
         "frame": f"{m.frame.filename}:{m.frame.line} {m.frame.name}" if m.frame else None,
+        "instances": m.instances,
     }
 
 
