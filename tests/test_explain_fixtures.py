@@ -86,3 +86,18 @@ def test_the_top_site_names_the_users_line():
     top = d.at_peak.sites[0]
     assert top.user is not None and top.user.filename.endswith("model.py")
     assert "site-packages" not in top.user.filename
+
+
+def test_a_sites_library_call_skips_the_libraries_decorators():
+    from memprof.analysis.sites import site_of
+    from memprof.trace.model import Frame
+
+    hf = "/env/site-packages/transformers"
+    stack = (Frame("??", 0, "c10::alloc"),
+             Frame("/env/site-packages/torch/nn/functional.py", 2100, "linear"),
+             Frame(f"{hf}/models/llama/modeling_llama.py", 210, "forward"),
+             Frame(f"{hf}/utils/deprecation.py", 172, "wrapped_func"),  # deprecate_kwarg's
+             Frame(f"{hf}/utils/generic.py", 940, "wrapper"),  # can_return_tuple's
+             Frame("/home/u/train.py", 31, "main"))
+    site = site_of(stack)
+    assert site.user == stack[-1] and site.call == stack[2]  # the model's forward

@@ -12,9 +12,11 @@ _LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/torch/", "torchinduc
                     "/lib/python3", "<frozen ", "<string>")
 # memprof's command line: its frames and those outside them are not the script's
 _COMMANDS = str(Path(memprof.__file__).resolve().parent / "cli").replace("\\", "/") + "/"
-# torch's module-call plumbing says nothing about what allocated
+# torch's module-call plumbing, and libraries' decorators (transformers' deprecate_kwarg,
+# can_return_tuple, accelerate's hooks), say nothing about what allocated
 _PLUMBING = {"_call_impl", "_wrapped_call_impl", "__call__", "inner", "wrapper", "decorate_context",
-             "_fn", "new_forward", "forward_call", "_use_grad", "maybe_fallback"}
+             "_fn", "new_forward", "forward_call", "_use_grad", "maybe_fallback",
+             "wrapped_func", "wrapped", "_wrapper", "wrapped_fn", "wrapper_fn", "decorated"}
 
 
 def is_library(frame: Frame) -> bool:
