@@ -178,6 +178,15 @@ def test_snippets_compile_and_name_the_runs_blocks(runs: Path):
         compile(remedy.snippet, remedy.key, "exec")
     blocks = [r for r in remedies if r.group == "checkpointing"]
     assert blocks and all("Block" in r.snippet and "Block" in r.title for r in blocks)
+    # bf16 weights halve fp32 moments, not an 8-bit optimizer's uint8 ones
+    start = advice.start
+    for optimizer, state_factor in (("AdamW", 0.5), ("AdamW8bit", 1.0)):
+        facts = {**run.model, "optimizers": [{"class": optimizer}]}
+        pure = next(r for r in catalogue(start, Context(facts)) if r.key == "pure_bf16")
+        after = pure.change(start)
+        assert after.at_step[OPTIMIZER_STATE] == int(start.at_step[OPTIMIZER_STATE]
+                                                     * state_factor)
+        assert after.at_step[GRADIENTS] == start.at_step[GRADIENTS] // 2
     assert run.model["repeated_blocks"][0] == {
         "class": "Block", "module": "__main__", "count": LM["layers"],
         "parameters_each": run.model["repeated_blocks"][0]["parameters_each"]}

@@ -65,6 +65,13 @@ class Context:
         return optimizers[0]
 
     @property
+    def quantised_state(self) -> bool:
+        """Whether the optimizer keeps 8- or 4-bit state (bitsandbytes' ``AdamW8bit``,
+        ``PagedAdam8bit``, torchao's ``AdamW4bit``): its size does not follow the weights'."""
+        name = str(self.optimizer.get("class", ""))
+        return "8bit" in name or "4bit" in name
+
+    @property
     def block(self) -> dict[str, Any] | None:
         blocks = self.model.get("repeated_blocks") or []
         return blocks[0] if blocks else None
@@ -119,13 +126,18 @@ def _precision(ctx: Context, busy: bool) -> list[Remedy]:
     if set(dtypes) != {"float32"}:
         return []
     amp = bool(ctx.model.get("autocast"))
+    quantised = ctx.quantised_state  # its moments are 8- or 4-bit: bf16 weights leave them
     pure = Remedy(
-        "pure_bf16", "bf16 weights, gradients and optimizer state", "precision", 9,
+        "pure_bf16", "bf16 weights, gradients" + ("" if quantised else " and optimizer state"),
+        "precision", 9,
         "numerics: bf16 weight updates lose small steps (keep fp32 master weights, or use"
         " Kahan summation, where that matters)", SEEDS["004"],
-        "parameters, floating-point buffers, gradients and optimizer state halve"
+        "parameters, floating-point buffers and gradients halve"
+        + (f"; the {ctx.optimizer.get('class')}'s quantised state stays as it is" if quantised
+           else ", and so does the optimizer state")
         + ("" if amp else "; activations and temporaries halve too"),
-        lambda p: p.scaled({PARAMETERS: 0.5, BUFFERS: 0.5, GRADIENTS: 0.5, OPTIMIZER_STATE: 0.5,
+        lambda p: p.scaled({PARAMETERS: 0.5, BUFFERS: 0.5, GRADIENTS: 0.5,
+                            OPTIMIZER_STATE: 1.0 if quantised else 0.5,
                             **({} if amp else {ACTIVATIONS: 0.5, TEMPORARIES: 0.5})}),
         "model = model.to(torch.bfloat16)  # before the optimizer is built")
     if amp or not busy:
