@@ -117,6 +117,12 @@ def test_a_wider_model_is_caught_and_what_grew_is_named(runs, tmp_path):
     # all multiples of 512 bytes, so compare blocks tensor by tensor, as the allocator does)
     assert device["categories"][0]["name"] == "optimizer_state"
     assert grew["parameters"] == extra and grew["gradients"] == extra
+    # what the pull request changed in the run comes first: the flag, and the model's size
+    params = [sum(p.numel() for p in load_sample("mlp_adam").build_model(
+        size["hidden"], size["layers"]).parameters()) for size in (SMALL, WIDER)]
+    assert verdict["check"]["run_changes"] == [
+        f"the command: --hidden={SMALL['hidden']} → --hidden={WIDER['hidden']}",
+        f"parameters: {params[0]:,} in the baseline, {params[1]:,} now"]
 
     text = check(tmp_path, runs["wider"], "--baseline", runs["base"])
     before, after = (report(runs[n])["devices"][0]["peak"]["allocated_bytes"]
@@ -125,6 +131,9 @@ def test_a_wider_model_is_caught_and_what_grew_is_named(runs, tmp_path):
     first = text.stdout.splitlines()[0]
     assert first.startswith("REGRESSION: peak allocated grew from ")
     assert f"(+{(after - before) / before:.1%}, limit 5%)" in first
+    assert text.stdout.splitlines()[1] == (
+        f"  the run changed: the command: --hidden={SMALL['hidden']} →"
+        f" --hidden={WIDER['hidden']}")
     assert "grew most by category: optimizer_state" in text.stdout
     assert "grew most by site:" in text.stdout and "mlp_adam.py" in text.stdout
     # the hidden-to-hidden Linear (Sequential's child 2) grew most: its weight is hidden²

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,9 @@ class Verdict:
     limit: Limit
     devices: list[DeviceVerdict]
     notes: list[str] = field(default_factory=list)  # differences allowed or not affecting bytes
+    # what the run itself changed (its arguments, precision, checkpointing, optimizer): the
+    # first explanation of a regression, before the bytes by category, site and module
+    run_changes: list[str] = field(default_factory=list)
 
     @property
     def regressed(self) -> bool:
@@ -93,7 +97,56 @@ def compare(current: Report, baseline: Report, metric: Metric, limit: Limit,
     if current.run.get("torch_version") != baseline.run.get("torch_version"):
         notes.append(f"PyTorch changed from {baseline.run.get('torch_version')} to"
                      f" {current.run.get('torch_version')}")
-    return Verdict(metric, limit, devices, notes)
+    return Verdict(metric, limit, devices, notes, run_changes(current, baseline))
+
+
+# the facts of run.model that change memory, as a person reads them
+_FACTS: tuple[tuple[str, str, Any], ...] = (
+    ("parameters", "parameters", lambda v: f"{v:,}" if isinstance(v, int) else None),
+    ("autocast", "autocast", lambda v: v if isinstance(v, str) else "off"),
+    ("activation checkpointing", "checkpointed",
+     lambda v: ", ".join(map(str, v)) if isinstance(v, list) and v else "none"),
+    ("optimizer", "optimizers", lambda v: ", ".join(
+        str(o.get("class")) for o in v if isinstance(o, dict)) if isinstance(v, list) else None),
+    ("zero_grad(set_to_none)", "zero_grad_set_to_none",
+     lambda v: str(v) if isinstance(v, bool) else None),
+    ("fused attention", "attention",
+     lambda v: str(v.get("fused")) if isinstance(v, dict) else None),
+    ("parameter dtypes", "dtypes",
+     lambda v: ", ".join(sorted(map(str, v))) if isinstance(v, dict) else None),
+)
+
+
+def run_changes(current: Report, baseline: Report) -> list[str]:
+    """What differs between the two runs themselves: the script's arguments, then the model
+    facts that change memory (precision, checkpointing, optimizer, size)."""
+    found = []
+    before, after = baseline.run.get("command"), current.run.get("command")
+    if isinstance(before, list) and isinstance(after, list) and before != after:
+        found.append(f"the command: {_arguments(before, after)}")
+    model_before, model_after = baseline.run.get("model"), current.run.get("model")
+    if isinstance(model_before, dict) and isinstance(model_after, dict):
+        for title, key, shown in _FACTS:
+            a, b = shown(model_before.get(key)), shown(model_after.get(key))
+            if a != b and a is not None and b is not None:
+                found.append(f"{title}: {a} in the baseline, {b} now")
+    return found
+
+
+def _arguments(before: list[Any], after: list[Any]) -> str:
+    """The arguments that differ: ``--batch 32 → 64``, ``+ --hidden 1024`` (added),
+    ``- --amp bf16`` (gone)."""
+    a, b = [str(x) for x in before], [str(x) for x in after]
+    parts = []
+    for op, i, j, k, m in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
+        if op == "replace":
+            flag = f"{a[i - 1]} " if i and a[i - 1].startswith("-") else ""
+            parts.append(f"{flag}{' '.join(a[i:j])} → {' '.join(b[k:m])}")
+        elif op == "insert":
+            parts.append(f"+ {' '.join(b[k:m])}")
+        elif op == "delete":
+            parts.append(f"- {' '.join(a[i:j])}")
+    return "; ".join(parts)
 
 
 def _keys(devices: dict[tuple[int, int | None], Any]) -> str:

@@ -41,6 +41,7 @@ def text(verdict: Verdict) -> str:
         lines.append(f"{mark}: {headline(verdict, d)}")
         if d.verdict != REGRESSION:
             continue
+        lines += [f"  the run changed: {c}" for c in verdict.run_changes]
         for title, changes in (("category", d.categories), ("site", d.sites),
                                ("module", d.modules)):
             grown = [c for c in changes if c.delta > 0][:3]
@@ -67,6 +68,7 @@ def verdict_dict(verdict: Verdict) -> dict[str, Any]:
         "verdict": REGRESSION if verdict.regressed else IMPROVEMENT if verdict.improved
         else "pass",
         "notes": verdict.notes,
+        "run_changes": verdict.run_changes,
         "devices": [{
             "device": d.device, "rank": d.rank, "verdict": d.verdict, "reason": d.reason,
             "baseline_bytes": d.baseline_bytes, "current_bytes": d.current_bytes,
@@ -88,6 +90,8 @@ def markdown(verdict: Verdict) -> str:
         rows.append(f"| {d.device}{_rank(d)} | {verdict.metric.title} | {human(d.baseline_bytes)}"
                     f" | {human(d.current_bytes)} | {_change(d)} | {verdict.limit.text} |"
                     f" {'**' + d.verdict + '**' if d.verdict == REGRESSION else d.verdict} |")
+    if verdict.regressed and verdict.run_changes:
+        rows += ["", "The run changed:", ""] + [f"- {_md(c)}" for c in verdict.run_changes]
     for d in verdict.devices:
         grown = [c for c in d.categories + d.sites + d.modules if c.delta]
         if d.verdict == REGRESSION and grown:
@@ -110,7 +114,8 @@ def junit(verdict: Verdict) -> str:
         if d.verdict == REGRESSION:
             failure = ElementTree.SubElement(case, "failure", message=visible(headline(verdict,
                                                                                         d)))
-            failure.text = text(Verdict(verdict.metric, verdict.limit, [d], verdict.notes))
+            failure.text = text(Verdict(verdict.metric, verdict.limit, [d], verdict.notes,
+                                        verdict.run_changes))
     return ElementTree.tostring(suite, encoding="unicode", xml_declaration=True)
 
 
