@@ -18,10 +18,13 @@ from test_suggest import advice_json
 from memprof.advise.advice import advise
 from memprof.advise.budget import parse_budget
 from memprof.advise.forward_remedies import forward_remedies
+from memprof.advise.peak import Peak
+from memprof.advise.remedies import Context, catalogue
 from memprof.advise.source import load_run
 from memprof.trace.model import (
     ACTIVATIONS,
     ATTENTION_SCORES,
+    CATEGORIES,
     EVAL_ACTIVATIONS,
     GRADIENTS,
     LOSS_LOGITS,
@@ -186,3 +189,39 @@ def test_a_cross_entropy_over_a_vocabulary_is_offered_in_chunks(tmp_path: Path) 
     # a classifier's few classes are no vocabulary: nothing to chunk
     narrow = advise(load_run(tmp_path / "narrow"), parse_budget("1MiB"))
     assert "chunked_loss" not in {r.remedy.key for r in narrow.ranked}
+
+
+TRAINED_IN_EVAL = """\
+import torch
+from torch import nn
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
+model.eval()  # as from_pretrained returns a model
+optimizer = torch.optim.AdamW(model.parameters())
+for _ in range(2):
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def test_a_model_trained_in_eval_mode_is_told_to_train_before_it_checkpoints(
+        tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(TRAINED_IN_EVAL)
+    result = memprof_run(tmp_path, "-o", "run", "train.py")
+    assert result.code == 0, result.stderr
+    run = load_run(tmp_path / "run")
+    assert run.model["trained_in_eval"] == "Sequential"
+    assert run.model["eval_module"] == "Sequential"  # its forwards' tensors were read back
+    hf = {**run.model, "repeated_blocks": [{
+        "class": "LlamaDecoderLayer", "module": "transformers.models.llama.modeling_llama",
+        "count": 4, "parameters_each": 1 << 20}]}
+    # a peak the activations fill, for the checkpointing remedy to apply
+    moment = {**dict.fromkeys(CATEGORIES, 0), ACTIVATIONS: 100 << 20}
+    start = Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0)
+    remedies = {r.key: r for r in catalogue(start, Context(hf))}
+    snippet = remedies["checkpoint_blocks"].snippet
+    assert snippet.startswith("model.train()  # the Sequential trained in eval mode")
+    compile(snippet, "<snippet>", "exec")
+    trained = {**hf, "trained_in_eval": None}
+    assert "model.train()" not in {r.key: r for r in catalogue(
+        start, Context(trained))}["checkpoint_blocks"].snippet

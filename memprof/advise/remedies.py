@@ -201,7 +201,7 @@ def _checkpointing(ctx: Context) -> list[Remedy]:
         "checkpointing", 6, "compute: one more forward of each block in backward (~30%)",
         SEEDS["003"], f"{common}; one block's activations are recomputed at a time",
         keeping(n),
-        "model.gradient_checkpointing_enable(\n"
+        _in_training(ctx) + "model.gradient_checkpointing_enable(\n"
         '    gradient_checkpointing_kwargs={"use_reentrant": False})'
         "  # or TrainingArguments(gradient_checkpointing=True)" if ctx.transformers else
         "from torch.utils.checkpoint import checkpoint\n\n"
@@ -290,6 +290,15 @@ def _optimizer_state(peak: Peak, ctx: Context) -> list[Remedy]:
         'ds_config = {"zero_optimization": {"stage": 2,\n'
         '                                   "offload_optimizer": {"device": "cpu"}}}'))
     return found
+
+
+def _in_training(ctx: Context) -> str:
+    """A model trained in eval mode (``from_pretrained`` returns one) checkpoints nothing
+    under Hugging Face's switch: it applies in training mode only."""
+    model = ctx.model.get("trained_in_eval")
+    return (f"model.train()  # the {model} trained in eval mode: Hugging Face models skip"
+            " gradient checkpointing\n# (and dropout) then, whatever enables it\n"
+            if model else "")
 
 
 def _optim(ctx: Context, trainer_name: str, snippet: str) -> str:

@@ -91,4 +91,5 @@ class LabelHooks(RoleHooks):
             for event in self._tracker.alloc_events(t):
                 if self._tags.get(id(event)) == EVAL_ACTIVATIONS:
                     del self._tags[id(event)]
+                    self._forward.trained_in_eval = True
         return t

@@ -39,6 +39,7 @@ class ForwardFacts:
         self.score_dtype: str | None = None
         self.score_module: str | None = None  # the class whose forward computed it
         self.eval_module: str | None = None  # the outermost module of an eval forward
+        self.trained_in_eval = False  # a backward read what an eval forward saved
         self.checkpointed: set[str] = set()  # classes the script runs under checkpointing
         self._largest = 0
         # the largest log-probabilities a cross-entropy saved: its shape and dtype
@@ -106,6 +107,7 @@ class ForwardFacts:
                           "score_dtype": self.score_dtype, "module": self.score_module}
             if seen else None,
             "eval_module": self.eval_module,
+            "trained_in_eval": self.eval_module if self.trained_in_eval else None,
             "loss": self.loss,
             "checkpointed": sorted(self.checkpointed),
             "loaded_state_dict": self.loaded_state_dict,
