@@ -380,6 +380,7 @@ def fsdp2_rank_holds_its_shard(out: Path, stdout: str, rank: int, world: int) ->
     data = report(out, f"report-rank{rank}.json")
     assert (data["run"]["rank"], data["run"]["world_size"]) == (rank, world)
     device = data["devices"][0]
+    assert device["device"] == rank  # one node: the rank's card is cuda:LOCAL_RANK
     at_peak = device["categories_requested"]
     padded = sum(numel(s, padded_rows(s[0], world)) for s in shapes())
     own = sum(numel(s, own_rows(s[0], world, rank)) for s in shapes())

@@ -47,6 +47,7 @@ class Layout:
     # events do not say, and the final segments lack those already freed
     pools: dict[int, tuple[int, int]]
     tally: Tally | None = None  # what ``replay`` would find in ``trace``, when tallied
+    device: int = 0  # the CUDA device index it was placed on
 
 
 def lay_out(events: Iterable[Event], settings: AllocatorSettings | None = None,
@@ -187,7 +188,7 @@ class Placer:
         if self._tally is not None:
             self._tally.finish(self.alloc)
         return Layout(list(self.trace), snapshot_segments(self.alloc, device, self._stacks),
-                      array("q", self.position), dict(self._pools), self._tally)
+                      array("q", self.position), dict(self._pools), self._tally, device)
 
 
 def snapshot_segments(alloc: CachingAllocator, device: int = 0,

@@ -86,7 +86,8 @@ def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
                         layout: Layout | None = None) -> tuple[dict[str, Any], Tally | None]:
     """Place a GPU-less recording in CUDA memory as the caching allocator would
     (or as ``layout``, placed while it ran, already has); the recording's trace is
-    consumed, so ``snapshot`` is the prediction's to keep. Its ``memprof`` key gains
+    consumed, so ``snapshot`` is the prediction's to keep, its trace at the layout's device
+    index (a rank's ``cuda:LOCAL_RANK``). Its ``memprof`` key gains ``device`` and
     ``segment_pools``, ``[address, pool id]`` of every private-pool segment placed. With
     the prediction, the placement's ``Tally`` when it kept one (``lay_out``'s does)."""
     layout = layout or lay_out(snapshot["device_traces"][0], settings, consume=True)
@@ -95,13 +96,15 @@ def predict_cuda_layout(snapshot: dict[str, Any], settings: AllocatorSettings,
     for key in ("labels", "modules", "tags"):  # [event index, value] pairs, renumbered in place
         for pair in meta.get(key, []):
             pair[0] = at[pair[0]]
+    device = layout.device
     return {
         **snapshot,
         "segments": layout.segments,
-        "device_traces": [layout.trace],
+        "device_traces": [[] for _ in range(device)] + [layout.trace],  # by device index
         "allocator_settings": settings_dict(settings),
         "memprof": {
             **meta,
+            "device": device,
             # steps are exclusive ends: the event after the step's last one
             "steps": [at[end - 1] + 1 if end else 0 for end in meta["steps"]],
             "segment_pools": [[addr, list(pool)] for addr, pool in sorted(layout.pools.items())],

@@ -41,8 +41,9 @@ def record(target: Target, options: RunOptions, card: Card, announce: str | None
         outcome, took = run_profiled(target, options)
     trim()  # what the script freed, before memprof's own work on the trace
     with frozen():
+        # on the rank's own card, cuda:LOCAL_RANK, as its snapshot on a node says
         snapshot, _ = predict_cuda_layout(recorder.snapshot(), settings,
-                                          gpu.recorder.placer.layout())
+                                          gpu.recorder.placer.layout(index))
     return Recording(snapshot, outcome, f"virtual {card.name}", True, took,
                      virtual_gpu=virtual_gpu_facts(card),
                      children=children.folders if children is not None else [])
