@@ -11,6 +11,7 @@ the single-GPU run.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,6 +27,7 @@ from test_run_cli import F32, SAMPLES, block, memprof_here, memprof_run, report,
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+from memprof.collect.virtual.cards import parse_spec
 from memprof.collect.virtual.gpu import VirtualGpu
 
 # torch 2.13 deprecates all_gather_into_tensor & co. for *_single, which older ones lack
@@ -472,19 +474,23 @@ def test_an_object_from_a_rank_not_run_is_this_ranks_own(runs: dict[str, Future[
 
 
 def test_ranks_are_chosen_among_the_worlds_on_virtual_cards_only(tmp_path: Path) -> None:
-    for args, error in (
-            (["--nproc-per-node", "4", "--ranks", "4"], "--ranks 4: '4' is not within ranks 0-3"),
-            (["--nproc-per-node", "4", "--ranks", "a"], "'a' is not a rank or a range"),
-            (["--nproc-per-node", "4", "--ranks", "3-1"], "'3-1' is not within ranks 0-3"),
-            (["--ranks", "0"], "give --nproc-per-node N too")):
-        result = memprof_run(tmp_path, *args, "-c", "pass")
-        assert result.code == 2 and error in result.stderr, (args, result.stderr)
-        assert len(result.stderr.strip().splitlines()) == 1
     from memprof.cli.run_cluster import cluster_ranks
     from memprof.errors import MemprofError
 
+    card = parse_spec("H100")
+    assert cluster_ranks(2, 4, "0-2,7, 5", card).running == (0, 1, 2, 5, 7)
+    for chosen, error in (("4", "--ranks 4: '4' is not within ranks 0-3"),
+                          ("a", "'a' is not a rank or a range"),
+                          ("3-1", "'3-1' is not within ranks 0-3")):
+        with pytest.raises(MemprofError, match=re.escape(error)):
+            cluster_ranks(1, 4, chosen, card)
     with pytest.raises(MemprofError, match="--ranks runs some ranks on virtual cards only"):
         cluster_ranks(1, 2, "0", None)  # on GPUs (no virtual card) every rank must run
+    for args, error in ((["--nproc-per-node", "4", "--ranks", "4"], "'4' is not within"),
+                        (["--ranks", "0"], "give --nproc-per-node N too")):
+        result = memprof_run(tmp_path, *args, "-c", "pass")  # as the command says them
+        assert result.code == 2 and error in result.stderr, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_ddp_under_torchrun_holds_the_full_model_per_rank(runs: dict[str, Future[Any]]
