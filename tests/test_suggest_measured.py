@@ -6,6 +6,7 @@ them (a peak per remedy, ``plan`` for the whole plan), so each case is exact.
 
 from __future__ import annotations
 
+import io
 from dataclasses import replace
 
 import pytest
@@ -122,3 +123,21 @@ def test_fit_batch_is_not_used_when_the_recorded_value_does_not_reproduce_the_pe
     found = _fit(_Rerun(), "batch", 4 * 32 * PAGE, Console(quiet=True), recorded)
     assert found["largest"] == largest
     assert (found["not_reproduced"] is None) == (largest is not None)
+
+
+def test_every_measured_micro_batch_is_shown(advice: Advice) -> None:
+    from rich.console import Console
+
+    from memprof.advise.render import _ranking
+
+    def shown(measured: dict | None) -> str:
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(_ranking(advice.ranked, measured, set()))
+        return console.export_text()
+
+    assert "micro-batch 1/8" not in shown(None)  # estimates: 1/2 and 1/4 stand for them
+    measured = {BASELINE: _peak(64 * PAGE), "micro_batch_8": _peak(8 * PAGE),
+                "micro_batch_16": _peak(6 * PAGE)}
+    table = shown(measured)
+    assert "micro-batch 1/8" in table and "micro-batch 1/16" in table  # --verify ran them
+    assert "16.00 MiB" in table and "12.00 MiB" in table

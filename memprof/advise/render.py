@@ -67,8 +67,8 @@ def _ranking(ranked: list[Ranked], measured: Measured | None, planned: set[str])
         t.add_column(name, justify="left" if name in ("remedy", "cost") else "right")
     for r in ranked:
         if (r.remedy.group == "batch" and r.remedy.verify["micro_batch"] > 4
-                and r.remedy.key not in planned):
-            continue  # the table keeps to 1/2 and 1/4, and what the plan uses
+                and r.remedy.key not in planned and r.remedy.key not in (measured or {})):
+            continue  # the table keeps to 1/2 and 1/4, what the plan uses and what was measured
         row = [r.remedy.title, fb(r.saved), fb(r.peak.reserved)]
         if measured is not None:
             row.append(_shown(measured, r.remedy.key))
