@@ -83,6 +83,13 @@ class Context:
         return self.model.get("trainer") == "transformers"
 
     @property
+    def loop(self) -> str | None:
+        """The library whose loop stepped the optimizer ("transformers", "lightning",
+        "accelerate"), for snippets in its own switches; None: the script's own loop."""
+        loop = self.model.get("trainer")
+        return loop if isinstance(loop, str) else None
+
+    @property
     def transformers(self) -> bool:
         """Whether the model is a Hugging Face transformers model (its blocks' classes are
         that library's): its snippets use the library's own switches."""
@@ -139,6 +146,7 @@ def _precision(ctx: Context, busy: bool) -> list[Remedy]:
         lambda p: p.scaled({PARAMETERS: 0.5, BUFFERS: 0.5, GRADIENTS: 0.5,
                             OPTIMIZER_STATE: 1.0 if quantised else 0.5,
                             **({} if amp else {ACTIVATIONS: 0.5, TEMPORARIES: 0.5})}),
+        'trainer = L.Trainer(..., precision="bf16-true")' if ctx.loop == "lightning" else
         "model = model.to(torch.bfloat16)  # before the optimizer is built")
     if amp or not busy:
         return [pure]
@@ -158,6 +166,9 @@ def _precision(ctx: Context, busy: bool) -> list[Remedy]:
         autocast,
         "TrainingArguments(..., bf16=True)  # the Trainer's forward under bf16 autocast"
         if ctx.trainer else
+        'trainer = L.Trainer(..., precision="bf16-mixed")' if ctx.loop == "lightning" else
+        'accelerator = Accelerator(mixed_precision="bf16")  # prepare() wraps the forward'
+        if ctx.loop == "accelerate" else
         'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
         "    loss = compute_loss(model, batch)  # the forward pass and the loss only\n"
         "loss.backward()",
@@ -229,6 +240,17 @@ def _micro_batches(ctx: Context) -> list[Remedy]:
             return ("# the Trainer accumulates gradients itself; batch: the batch size now\n"
                     f"TrainingArguments(..., per_device_train_batch_size=batch // {k},\n"
                     f"                  gradient_accumulation_steps={k})")
+        if ctx.loop == "lightning":
+            return (f"# the DataLoader's batch_size: 1/{k} of the batch now\n"
+                    f"trainer = L.Trainer(..., accumulate_grad_batches={k})")
+        if ctx.loop == "accelerate":
+            return (f"accelerator = Accelerator(gradient_accumulation_steps={k})  # batches"
+                    f" 1/{k} as large\n"
+                    "for batch in loader:\n"
+                    "    with accelerator.accumulate(model):\n"
+                    "        accelerator.backward(compute_loss(model, batch))\n"
+                    "        optimizer.step()\n"
+                    "        optimizer.zero_grad(set_to_none=True)")
         return (f"for i, batch in enumerate(loader):  # batches 1/{k} as large\n"
                 f"    loss = compute_loss(model, batch) / {k}\n"
                 "    loss.backward()\n"

@@ -40,7 +40,12 @@ from memprof.trace.model import (
     PARAMETERS,
 )
 
-_HF_TRAINER = os.path.join("transformers", "trainer.py")
+# the training loops that step the optimizer for the script, by a file of theirs on the
+# step's stack: Hugging Face's Trainer, Lightning's Trainer, accelerate's wrapped optimizer
+_LOOPS = ((os.path.join("transformers", "trainer.py"), "transformers"),
+          (os.path.join("lightning", "pytorch", "loops"), "lightning"),
+          (os.path.join("pytorch_lightning", "loops"), "lightning"),
+          (os.path.join("accelerate", "optimizer.py"), "accelerate"))
 
 
 class RoleHooks:
@@ -55,7 +60,9 @@ class RoleHooks:
         self._steps_seen = 0
         self.model: dict[str, Any] = {}  # model_facts(), filled by remove()
         self._autocast: str | None = None  # CUDA autocast dtype seen in a forward
-        self._trainer: str | None = None  # "transformers": its Trainer steps the optimizer
+        # the library whose loop steps the optimizer ("transformers", "lightning",
+        # "accelerate"; _LOOPS), or None for the script's own loop
+        self._trainer: str | None = None
         self._pace = StepPace()
         self._forward = ForwardFacts()
         self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -190,8 +197,8 @@ class RoleHooks:
                 "trainer": self._trainer}
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-        if self._trainer is None and _called_from(sys._getframe(1), _HF_TRAINER):
-            self._trainer = "transformers"
+        if self._trainer is None and not self._optimizers:  # the first step says
+            self._trainer = _loop_of(sys._getframe(1))
         self._optimizers.add(optimizer)
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -245,15 +252,16 @@ def _addresses(module: torch.nn.Module) -> tuple[int, ...] | None:
         return None
 
 
-def _called_from(frame: FrameType | None, ending: str, depth: int = 16) -> bool:
-    """Whether one of the ``depth`` frames from ``frame`` out runs a file ending so."""
+def _loop_of(frame: FrameType | None, depth: int = 32) -> str | None:
+    """The library of ``_LOOPS`` that the ``depth`` frames from ``frame`` out run, the first
+    in its order (Hugging Face's Trainer steps through accelerate's optimizer too)."""
+    files = []
     for _ in range(depth):
         if frame is None:
-            return False
-        if frame.f_code.co_filename.endswith(ending):
-            return True
+            break
+        files.append(frame.f_code.co_filename)
         frame = frame.f_back
-    return False
+    return next((library for part, library in _LOOPS if any(part in f for f in files)), None)
 
 
 def _autocast_dtype(module: torch.nn.Module) -> str | None:

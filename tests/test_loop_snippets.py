@@ -1,0 +1,65 @@
+"""Remedies in the switches of the library whose loop steps the optimizer: which loop it
+is (read from the step's stack), and the snippets each gets."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from memprof.advise.peak import Peak
+from memprof.advise.remedies import Context, catalogue
+from memprof.collect.hooks.roles import _loop_of
+from memprof.trace.model import ACTIVATIONS, CATEGORIES
+
+
+def _called_through(*files: str) -> str | None:
+    """What ``_loop_of`` finds when called from functions defined in ``files``, the
+    outermost first (each a file of that name, as a library's frames are)."""
+    call: Callable[[], str | None] = lambda: _loop_of(sys._getframe())  # noqa: E731
+    for filename in reversed(files):
+        namespace = {"inner": call}
+        exec(compile("def outer():\n    return inner()\n", filename, "exec"), namespace)
+        call = namespace["outer"]
+    return call()
+
+
+@pytest.mark.parametrize(("files", "loop"), [
+    (("/u/train.py",), None),
+    (("/env/site-packages/lightning/pytorch/loops/fit_loop.py",), "lightning"),
+    (("/env/site-packages/pytorch_lightning/loops/optimization/automatic.py",), "lightning"),
+    (("/u/train.py", "/env/site-packages/accelerate/optimizer.py"), "accelerate"),
+    # Hugging Face's Trainer steps through accelerate's optimizer: the Trainer is the loop
+    (("/env/site-packages/transformers/trainer.py", "/env/site-packages/accelerate/optimizer.py"),
+     "transformers"),
+])
+def test_the_loop_that_steps_the_optimizer_is_read_from_its_stack(files: tuple[str, ...],
+                                                                   loop: str | None) -> None:
+    assert _called_through(*files) == loop
+
+
+def _remedies(loop: str | None) -> dict[str, str]:
+    """Each remedy's snippet for a float32 model whose activations fill the peak."""
+    moment = {**dict.fromkeys(CATEGORIES, 0), ACTIVATIONS: 100 << 20}
+    facts = {"trainer": loop, "dtypes": {"float32": 1 << 20}, "autocast": None}
+    return {r.key: r.snippet for r in catalogue(Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0),
+                                                Context(facts))}
+
+
+@pytest.mark.parametrize(("loop", "accumulate", "autocast", "pure"), [
+    ("lightning", "accumulate_grad_batches=4", 'precision="bf16-mixed"',
+     'precision="bf16-true"'),
+    ("accelerate", "Accelerator(gradient_accumulation_steps=4)",
+     'Accelerator(mixed_precision="bf16")', "model.to(torch.bfloat16)"),
+    ("transformers", "gradient_accumulation_steps=4", "bf16=True", "model.to(torch.bfloat16)"),
+    (None, "% 4 == 0", 'torch.autocast("cuda"', "model.to(torch.bfloat16)"),
+])
+def test_each_loop_gets_its_own_switches(loop: str | None, accumulate: str, autocast: str,
+                                         pure: str) -> None:
+    snippets = _remedies(loop)
+    assert accumulate in snippets["micro_batch_4"]
+    assert autocast in snippets["autocast"]
+    assert pure in snippets["pure_bf16"]
+    for snippet in snippets.values():
+        compile(snippet, "<snippet>", "exec")
