@@ -348,7 +348,8 @@ def test_a_rerun_that_fails_is_shown_as_failed_not_measured(processes: dict[str,
     assert result.code == 1, result.stdout + result.stderr  # nothing fits 1MB; all measured
     rows = [line.split() for line in result.stdout.splitlines()
             if line.startswith(" micro-batch")]  # the ranking's rows
-    assert len(rows) == 3 and all("failed" in row for row in rows)
+    # every micro-batch --verify tried is shown: 1/2 to 1/16, each failed
+    assert len(rows) == 4 and all("failed" in row for row in rows)
     assert ("micro-batch 1/2 with 2 accumulation steps failed: re-running fails_smaller.py"
             " --batch 4096 failed (exit code 1): ValueError: this script needs batches of"
             " 8192.") in " ".join(result.stdout.split())
