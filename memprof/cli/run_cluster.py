@@ -22,6 +22,8 @@ from memprof.report.json import write_json
 from memprof.report.run_folder import claim, file_names, run_folder
 from memprof.report.text import plain
 
+CLUSTER_FILE = "cluster.json"  # the whole run's summary, beside the ranks' reports
+
 
 def cluster_ranks(nodes: int, per_node: int, chosen: str | None, card: Card | None) -> Ranks:
     """The layout ``--nnodes``, ``--nproc-per-node`` and ``--ranks`` ask for."""
@@ -68,9 +70,6 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     notes.print(plain(f"Next: memprof explain {folder}"))
     failed = [e for e in exits if e.code and not e.stopped]
     return _exit_code(failed[0].code) if failed else 0
-
-
-CLUSTER_FILE = "cluster.json"  # the whole run's summary, beside the ranks' reports
 
 
 def ranges(ranks: tuple[int, ...]) -> str:

@@ -17,6 +17,7 @@ they were; said once.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import pickle
 from collections.abc import Callable
@@ -52,16 +53,13 @@ class ObjectCollectives:
 
     def _wrap(self, name: str, original: Callable[..., Any],
               how: Callable[[Any, dict[str, Any]], None]) -> Callable[..., Any]:
-        import inspect
-
         signature = inspect.signature(original)
 
         @functools.wraps(original)
         def collective(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)  # the card's byte tensors, as PyTorch makes them
-            given = signature.bind(*args, **kwargs).arguments
-            group = given.get("group") or c10d._get_default_group()
-            if not c10d._rank_not_in_group(group):
+            given, group = _bound(signature, args, kwargs)
+            if group is not None:
                 how(group, given)
             return out
         return collective
@@ -70,15 +68,12 @@ class ObjectCollectives:
         """``broadcast_object_list``: the objects come first, through the store, so that a
         receiving rank's byte tensor gets the size of the objects sent (PyTorch reads the
         sizes from a tensor a broadcast fills, and a virtual one fills nothing)."""
-        import inspect
-
         signature = inspect.signature(original)
 
         @functools.wraps(original)
         def broadcast_object_list(*args: Any, **kwargs: Any) -> Any:
-            given = signature.bind(*args, **kwargs).arguments
-            group = given.get("group") or c10d._get_default_group()
-            if c10d._rank_not_in_group(group):
+            given, group = _bound(signature, args, kwargs)
+            if group is None:
                 return original(*args, **kwargs)
             received = self._broadcast(group, given)
             if received is None:
@@ -154,6 +149,15 @@ class ObjectCollectives:
                 " taken to send what the receiving rank sends, and a broadcast or scatter"
                 " from one leaves the receiving rank's objects as they were")
         return False
+
+
+def _bound(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+           ) -> tuple[dict[str, Any], Any]:
+    """An object collective's arguments by name, and its group (None: this rank is not in
+    it)."""
+    given = signature.bind(*args, **kwargs).arguments
+    group = given.get("group") or c10d._get_default_group()
+    return given, None if c10d._rank_not_in_group(group) else group
 
 
 def _unread(tensor: Any, size: Any, group: Any) -> None:
