@@ -169,8 +169,9 @@ def sites_table(live: Live, moment: str) -> Table:
 
 def modules_table(live: Live, moment: str) -> Table:
     """The nn.Modules whose allocations held the most memory at ``moment``: repeated
-    blocks summed first (``layers.*.mlp x32``), then the modules outside them."""
-    summed = " (repeated blocks summed first)" if live.repeated_modules else ""
+    blocks summed (``layers.*.mlp x32``) in place of their blocks' rows, most first, so a
+    large module outside them (an output layer) keeps its row."""
+    summed = " (repeated blocks summed)" if live.repeated_modules else ""
     t = Table(title=f"Top modules {moment} (the innermost one running at each allocation)"
               f"{summed}", title_justify="left", box=None, header_style="bold")
     t.add_column("bytes", justify="right")
@@ -181,8 +182,9 @@ def modules_table(live: Live, moment: str) -> Table:
     if framed:
         t.add_column("model code")
     patterns = {m.module for m in live.repeated_modules}
-    rows = [*live.repeated_modules, *(m for m in live.modules
-                                      if repeated(m.module) not in patterns)]
+    rows = sorted([*live.repeated_modules, *(m for m in live.modules
+                                             if repeated(m.module) not in patterns)],
+                  key=lambda m: -m.bytes)
     for m in rows[:max(len(live.modules), len(live.repeated_modules))]:
         name = f"{m.module} x{m.instances}" if m.instances > 1 else m.module
         row = [fb(m.bytes), f"{100 * m.share:.1f}%", f"{m.count:,}", plain(name)]
