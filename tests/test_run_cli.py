@@ -14,7 +14,6 @@ import json
 import os
 import pickle
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ import torch
 from conftest import Jobs
 
 import memprof
+from memprof import warm
 from memprof.analysis.steps import MIN_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,24 +60,20 @@ def run_python(args: Sequence[str | Path], cwd: Path, env: dict[str, str] | None
 
     One thread per process (OMP_NUM_THREADS=1): the runs share the cores. The checkout under
     test comes first on PYTHONPATH; allocator settings from the caller's environment are
-    dropped, as they would change the predicted block sizes.
+    dropped, as they would change the predicted block sizes. ``-m MODULE`` starts warm
+    (``memprof/warm.py``: torch imported once, as ``suggest --verify`` re-runs do).
     """
     full = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1"}
     full["PYTHONPATH"] = os.pathsep.join(
         p for p in ((env or {}).get("PYTHONPATH"), str(ROOT), os.environ.get("PYTHONPATH"))
         if p)
     full.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=full, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        done = warm.run([str(a) for a in args], cwd, full, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
         pytest.fail(f"python {' '.join(map(str, args))} still running after {TIMEOUT_S} s;"
-                    f" stderr tail:\n{err[-3000:]}")
-    return Result(proc.returncode, out, err)
+                    f" stderr tail:\n{str(exc.stderr)[-3000:]}")
+    return Result(done.returncode, done.stdout, done.stderr)
 
 
 def memprof_run(cwd: Path, *args: str | Path) -> Result:

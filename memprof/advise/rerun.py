@@ -8,20 +8,16 @@ original, stopped after a few optimizer steps, from the folder it ran from.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import shlex
-import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memprof import warm
 from memprof.advise.peak import Peak, peak_of
 from memprof.advise.source import Run
 from memprof.errors import MemprofError
@@ -30,7 +26,6 @@ from memprof.trace.fields import describe
 
 RERUN_STEPS = 3  # the peak of a training step shows by its second or third step
 MAX_BATCH = 1 << 16
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -83,13 +78,11 @@ class Rerun:
         conf = alloc_conf if alloc_conf is not None else self.alloc_conf
         with tempfile.TemporaryDirectory(prefix="memprof-suggest-") as scratch:
             out = Path(scratch) / "run"
-            argv = [sys.executable, "-m", "memprof", "run", "-o", str(out), "--no-timeline",
-                    "--no-need", *self.where,
-                    *(["--steps", str(self.steps)] if self.steps else []),
+            args = ["-m", "memprof", "run", "-o", str(out), "--no-timeline", "--no-need",
+                    *self.where, *(["--steps", str(self.steps)] if self.steps else []),
                     *(["--alloc-conf", conf] if conf else []), *target]
             env = {**os.environ, "MEMPROF_APPLY": json.dumps(apply or {})}
-            done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=self.cwd,
-                                  preexec_fn=_die_with_parent)
+            done = warm.run(args, self.cwd or os.getcwd(), env)
             report = out / "report.json"
             if not report.is_file():
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -191,12 +184,6 @@ def _bad_conf(conf: str) -> bool:
         return True
     return False
 
-
-def _die_with_parent() -> None:
-    """In the re-run's process, before it starts: end it when memprof suggest ends, however
-    (Linux; elsewhere a killed suggest leaves it to finish)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _gist(error: str, limit: int = 200) -> str:
