@@ -1,6 +1,10 @@
 """`memprof explain --json` against a bare restricted load of the same snapshot, per size.
 
 Usage: python benchmarks/explain_throughput.py [EVENTS ...]   (default: 1000000 10000000)
+
+Each size is a training loop of fixed shapes (its steps repeat once the allocator settles);
+the smallest also comes varied, each step's sizes scaled by a factor drawn for it, so that no
+step repeats (``large_snapshot.py``): the replay then places every event.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ PAIRS = 5  # a bare load, then explain, this many times: both see the machine's 
 def main() -> None:
     sizes = [int(a) for a in sys.argv[1:]] or [1_000_000, 10_000_000]
     rows = []
-    for events in sizes:
-        snapshot = snapshot_of(events)
-        label = f"{events:,} events ({snapshot.stat().st_size / 2**20:,.0f} MiB)"
+    for events, varied in [(e, False) for e in sizes] + [(min(sizes), True)]:
+        snapshot = snapshot_of(events, varied)
+        label = f"{events:,} events ({snapshot.stat().st_size / 2**20:,.0f} MiB)" \
+            f"{', no step repeats' if varied else ''}"
         load_argv = [sys.executable, str(HERE / "load_snapshot.py"), str(snapshot)]
         loads, explains = [], []
         with tempfile.TemporaryDirectory() as tmp:

@@ -7,13 +7,14 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import WORKERS
+
+from memprof import warm
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -77,8 +78,7 @@ def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
     def run(words: list[str], after: list[Future[Any]]) -> subprocess.CompletedProcess[str]:
         for earlier in after:
             earlier.exception()  # ended, however
-        return subprocess.run([sys.executable, "-m", *words], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300, check=False)
+        return warm.run(["-m", *words], tmp_path, env, timeout=300)  # as python -m does
 
     writes: dict[str, Future[Any]] = {}  # run folder: the command that writes it
     started = []

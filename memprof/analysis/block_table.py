@@ -75,6 +75,15 @@ class BlockTable:
         seg.group[0] -= 1
         seg.group[1] -= seg.total
 
+    def state(self) -> tuple:
+        """Everything later decisions depend on, comparable with another moment's: the
+        counters, and each segment and block (free lists follow from the blocks)."""
+        return (self.allocated, self.reserved, self.cached_bytes, self._gc_clock,
+                sorted((s.addr, s.total, s.stream, s.pool, s.small, s.expandable)
+                       for s in self.segments.values()),
+                sorted((b.addr, b.size, b.allocated, b.cached, b.requested, b.gc_base)
+                       for b in self._blocks.values()))
+
     def block_at(self, addr: int) -> Block | None:
         return self._blocks.get(addr)
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from memprof.analysis.allocator import CachingAllocator
 from memprof.analysis.blocks import DEFAULT_POOL, SMALL_BUFFER, Block, FreeBlockStats
+from memprof.analysis.repeats import Boundary, Skipper, find_repeat
 from memprof.analysis.window_start import InitialBlock, rebuild_start
 from memprof.trace.model import Action, AllocatorSettings, DeviceTrace, Segment
 
@@ -37,6 +38,9 @@ class Check:
     # allocations placed by the common path (``take_best_fit``: the recorded block is the
     # best fit, one search): nearly all of a real trace's, and what keeps the replay fast
     common_path: int = 0
+    # events of a repeating span filled from the period before them (``repeats.py``), not
+    # replayed one by one: with the common path, what keeps a long trace's replay fast
+    repeated: int = 0
 
 
 @dataclass(slots=True)
@@ -182,7 +186,10 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     settings = settings or AllocatorSettings()
     n = 0 if trace is None else len(trace)
     alloc = CachingAllocator(settings)
-    initial = rebuild_start(alloc, segments, trace)
+    codes, kept = _fuse_frees(trace) if trace is not None else (None, np.zeros(0, np.int64))
+    skipper = _skipper(trace, codes, kept, settings)
+    initial = rebuild_start(alloc, segments, trace,
+                            range(0) if skipper is None else skipper.repeated_events())
     initial_allocated, initial_reserved = alloc.allocated, alloc.reserved
     # private pools only: most snapshots have none, and then allocations look nothing up
     pools = {**(pools or {}),
@@ -206,11 +213,31 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
     take, find_free, release_stats, free = alloc.take_best_fit, alloc.find_free, \
         alloc.release_stats, alloc.free
     alloc_code, requested_code = _ALLOC, _FREE_REQUESTED  # locals: the loop's hottest names
-    codes, kept = _fuse_frees(trace) if trace is not None else (None, np.zeros(0, np.int64))
 
-    for base in range(0, len(kept), _CHUNK):
+    position = 0
+    while position < len(kept):
         assert trace is not None and codes is not None
-        index = kept[base:base + _CHUNK]
+        if skipper is not None and position == skipper.mark:
+            periods = skipper.boundary(position, Boundary(
+                alloc.state(), {a: start for a, (_, start) in live.items()},
+                (reproduced, alloc.segment_changes, *(getattr(check, t) for t in _TALLIES)),
+                (check.inconsistencies, len(unplaced), len(other_releases), len(pending),
+                 check.first_mismatch or 0, check.first_address_mismatch or 0)))
+            if periods:
+                grown = skipper.skip(position, periods, live, _as_arrays(
+                    block_size, delta_res, delta_pred), np.frombuffer(end, np.int64))
+                reproduced += grown[0]
+                alloc.segment_changes += grown[1]
+                for name, more in zip(_TALLIES, grown[2:], strict=True):
+                    setattr(check, name, getattr(check, name) + more)
+                position += periods * skipper.repeat.period
+                check.repeated += periods * skipper.repeat.stride
+                continue
+        stop = min(position + _CHUNK, len(kept))
+        if skipper is not None and skipper.mark > position:
+            stop = min(stop, skipper.mark)
+        index = kept[position:stop]
+        position = stop
         sizes = trace.size[index]
         columns = (index.tolist(), codes[index].tolist(), trace.addr[index].tolist(),
                    sizes.tolist(), trace.stream[index].tolist(), alloc.round_sizes(sizes))
@@ -298,6 +325,25 @@ def replay(trace: DeviceTrace | None, segments: list[Segment],
         final=capture(alloc, n - 1),
         oom_events=oom_events,
     )
+
+
+_TALLIES = ("decisions_total", "decisions_matched", "segments_predicted", "segments_recorded",
+            "addresses_total", "addresses_matched")
+
+
+def _skipper(trace: DeviceTrace | None, codes: np.ndarray | None, kept: np.ndarray,
+             settings: AllocatorSettings) -> Skipper | None:
+    """What skips the periods of the trace's repeating span, if it has one the replay can
+    skip (not with expandable segments, whose mapped pages the state does not compare)."""
+    if trace is None or codes is None or settings.expandable_segments:
+        return None
+    columns = (codes[kept], trace.addr[kept], trace.size[kept], trace.stream[kept])
+    repeat = find_repeat(columns, kept, _OOM)
+    return None if repeat is None else Skipper(repeat, kept)
+
+
+def _as_arrays(*values: array) -> tuple[np.ndarray, ...]:
+    return tuple(np.frombuffer(v, np.int64) for v in values)
 
 
 def allocated_changes(block_size: np.ndarray, end: np.ndarray, unplaced: list[int],

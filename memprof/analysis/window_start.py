@@ -37,12 +37,14 @@ class InitialBlock:
 
 
 def rebuild_start(alloc: CachingAllocator, segments: list[Segment],
-                   trace: DeviceTrace | None) -> list[InitialBlock]:
+                   trace: DeviceTrace | None, repeated: range = range(0)
+                   ) -> list[InitialBlock]:
     """Load ``alloc`` with the state before the first event; return the blocks live then.
 
     Segments: the final ones with the recorded segment events undone, newest first.
     Blocks: an address whose first event is a free was allocated before the window;
-    one with no event at all kept its final block.
+    one with no event at all kept its final block. ``repeated``: events that repeat earlier
+    ones (``repeats.py``), so none is an address's first.
     """
     n = 0 if trace is None else len(trace)
     segs = segments_after(segments, trace, -1)
@@ -52,6 +54,9 @@ def rebuild_start(alloc: CachingAllocator, segments: list[Segment],
     if trace is not None and n:
         action = trace.action
         touched = np.flatnonzero(action <= _FREE_COMPLETED)
+        if repeated:
+            cut = np.searchsorted(touched, [repeated.start, repeated.stop])
+            touched = np.concatenate((touched[:cut[0]], touched[cut[1]:]))
         addrs = trace.addr[touched]
         _, first = np.unique(addrs, return_index=True)
         for k in first.tolist():
