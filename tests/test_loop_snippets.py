@@ -63,3 +63,21 @@ def test_each_loop_gets_its_own_switches(loop: str | None, accumulate: str, auto
     assert pure in snippets["pure_bf16"]
     for snippet in snippets.values():
         compile(snippet, "<snippet>", "exec")
+
+
+@pytest.mark.parametrize(("module", "switch"), [
+    ("transformers.models.llama.modeling_llama", "model.gradient_checkpointing_enable("),
+    ("diffusers.models.unets.unet_2d_blocks", "model.enable_gradient_checkpointing()"),
+    ("my_model", "x = checkpoint(block, x, use_reentrant=False)"),
+])
+def test_a_library_model_checkpoints_by_its_own_switch(module: str, switch: str) -> None:
+    """A model whose blocks are a library's classes gets that library's switch, and no
+    hand-made segments; a model of the script's own gets both by hand."""
+    moment = {**dict.fromkeys(CATEGORIES, 0), ACTIVATIONS: 100 << 20}
+    facts = {"dtypes": {"float32": 1 << 20}, "autocast": None, "repeated_blocks": [
+        {"class": "Block", "module": module, "count": 16}]}
+    snippets = {r.key: r.snippet for r in catalogue(
+        Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0), Context(facts))}
+    assert switch in snippets["checkpoint_blocks"]
+    compile(snippets["checkpoint_blocks"], "<snippet>", "exec")
+    assert ("checkpoint_sqrt" in snippets) == (module == "my_model")

@@ -43,6 +43,8 @@ SEEDS = {
 }
 BLOCK_INPUT_SHARE = 0.06  # a transformer block's input against the activations it saves
 MICRO_BATCHES = (2, 4, 8, 16)
+# libraries whose models switch checkpointing on themselves, by their modules' prefix
+MODEL_LIBRARIES = ("transformers", "diffusers")
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,17 @@ class Context:
         return loop if isinstance(loop, str) else None
 
     @property
+    def model_library(self) -> str | None:
+        """The library whose classes the model's blocks are ("transformers", "diffusers"),
+        whose snippets use its own switches; None: a model of the script's own."""
+        module = str((self.block or {}).get("module", ""))
+        return next((library for library in MODEL_LIBRARIES
+                     if module.startswith(f"{library}.")), None)
+
+    @property
     def transformers(self) -> bool:
-        """Whether the model is a Hugging Face transformers model (its blocks' classes are
-        that library's): its snippets use the library's own switches."""
-        return str((self.block or {}).get("module", "")).startswith("transformers.")
+        """Whether the model is a Hugging Face transformers model."""
+        return self.model_library == "transformers"
 
 
 @dataclass(frozen=True)
@@ -215,13 +224,15 @@ def _checkpointing(ctx: Context) -> list[Remedy]:
         _in_training(ctx) + "model.gradient_checkpointing_enable(\n"
         '    gradient_checkpointing_kwargs={"use_reentrant": False})'
         "  # or TrainingArguments(gradient_checkpointing=True)" if ctx.transformers else
+        _in_training(ctx) + "model.enable_gradient_checkpointing()  # the diffusers model"
+        f" whose {name} blocks these are" if ctx.model_library == "diffusers" else
         "from torch.utils.checkpoint import checkpoint\n\n"
         f"# where the model calls its {name} modules, e.g. in its forward:\n"
         f"for block in blocks:  # the {n} {name} modules\n"
         "    x = checkpoint(block, x, use_reentrant=False)",
         {"checkpoint": name})]
     segments = round(math.sqrt(n))
-    if n >= 4 and segments < n and not ctx.transformers:  # a library model: no such switch
+    if n >= 4 and segments < n and not ctx.model_library:  # a library's: no such switch
         remedies.append(Remedy(
             "checkpoint_sqrt", f"checkpointing every {n // segments} {name} blocks"
             f" ({segments} segments, about sqrt({n}))", "checkpointing", 5,
