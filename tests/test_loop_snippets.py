@@ -11,7 +11,7 @@ import pytest
 from memprof.advise.peak import Peak
 from memprof.advise.remedies import Context, catalogue
 from memprof.collect.hooks.roles import _loop_of
-from memprof.trace.model import ACTIVATIONS, CATEGORIES
+from memprof.trace.model import ACTIVATIONS, CATEGORIES, PARAMETERS
 
 
 def _called_through(*files: str) -> str | None:
@@ -81,3 +81,29 @@ def test_a_library_model_checkpoints_by_its_own_switch(module: str, switch: str)
     assert switch in snippets["checkpoint_blocks"]
     compile(snippets["checkpoint_blocks"], "<snippet>", "exec")
     assert ("checkpoint_sqrt" in snippets) == (module == "my_model")
+
+
+def test_a_frozen_pretrained_transformers_model_is_offered_qlora() -> None:
+    """LoRA on a bf16 model from_pretrained loaded: its frozen weights in 4-bit NF4 take
+    half a byte and the double-quantised scales (an 8-bit scale per 64 weights, an fp32
+    scale per 256 scales) instead of 2 bytes; the adapters stay as they are."""
+    params, trainable = 1_000_000, 10_000
+    weights = 2 * params
+    moment = {**dict.fromkeys(CATEGORIES, 0), PARAMETERS: weights, ACTIVATIONS: 100 << 20}
+    facts = {"parameters": params, "trainable": trainable, "parameter_bytes": weights,
+             "dtypes": {"bfloat16": params}, "autocast": None, "pretrained": True,
+             "repeated_blocks": [{"class": "LlamaDecoderLayer", "count": 4,
+                                  "module": "transformers.models.llama.modeling_llama"}]}
+    peak = Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0)
+    found = {r.key: r for r in catalogue(peak, Context(facts))}
+    qlora = found["qlora"]
+    per_weight = 0.5 + 1 / 64 + 4 / (64 * 256)
+    assert qlora.change(peak).moment[PARAMETERS] == pytest.approx(
+        2 * trainable + per_weight * (params - trainable))
+    assert "load_in_4bit=True" in qlora.snippet and "prepare_model_for_kbit_training" in \
+        qlora.snippet
+    compile(qlora.snippet, "<snippet>", "exec")
+    # already 4-bit (bitsandbytes keeps the packed weights as uint8), or a model of its own
+    for other in ({"dtypes": {"uint8": params, "bfloat16": trainable}},
+                  {"repeated_blocks": [{"class": "Block", "count": 4, "module": "mine"}]}):
+        assert "qlora" not in {r.key for r in catalogue(peak, Context({**facts, **other}))}

@@ -45,6 +45,9 @@ BLOCK_INPUT_SHARE = 0.06  # a transformer block's input against the activations 
 MICRO_BATCHES = (2, 4, 8, 16)
 # libraries whose models switch checkpointing on themselves, by their modules' prefix
 MODEL_LIBRARIES = ("transformers", "diffusers")
+# bytes a weight in bitsandbytes' NF4 with double quantisation: 4 bits, a block of 64 weights'
+# 8-bit scale, and a block of 256 scales' fp32 scale
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
 @dataclass(frozen=True)
@@ -397,6 +400,26 @@ def _model_state(peak: Peak, ctx: Context) -> list[Remedy]:
             " of 4", lambda p: p.scaled({PARAMETERS: 1 - 0.75 * frozen_share}),
             "from torchao.quantization import int8_weight_only, quantize_\n\n"
             "quantize_(frozen_part, int8_weight_only())"))
+    if params and trainable < params and ctx.transformers and ctx.model.get("pretrained") \
+            and not {"uint8", "int8"} & set(ctx.model.get("dtypes") or {}):
+        per_weight = ctx.model.get("parameter_bytes", 4 * params) / params
+        frozen = (params - trainable) / params  # of the weights' bytes, at ``per_weight`` each
+        kept = 1 - frozen * (1 - NF4_BYTES / per_weight)
+        found.append(Remedy(
+            "qlora", "4-bit NF4 weights for the frozen model (QLoRA)", "quantise", 12,
+            "numerics: 4-bit frozen weights, dequantised in each forward (QLoRA's paper: the"
+            " quality of 16-bit LoRA)", SEEDS["004"],
+            f"the frozen weights ({frozen:.0%} of the parameters' bytes, all taken to be linear"
+            f" layers') take {NF4_BYTES:.3f} bytes a weight instead of {per_weight:g}: 4 bits"
+            " and the double-quantised scale of each 64",
+            lambda p: p.scaled({PARAMETERS: kept}),
+            "from peft import prepare_model_for_kbit_training\n"
+            "from transformers import BitsAndBytesConfig\n\n"
+            "model = AutoModelForCausalLM.from_pretrained(  # your model class and name\n"
+            "    name, quantization_config=BitsAndBytesConfig(\n"
+            '        load_in_4bit=True, bnb_4bit_quant_type="nf4",\n'
+            "        bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))\n"
+            "model = prepare_model_for_kbit_training(model)  # then get_peft_model, as now"))
     return found
 
 
