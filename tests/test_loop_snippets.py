@@ -11,7 +11,7 @@ import pytest
 from memprof.advise.peak import Peak
 from memprof.advise.remedies import Context, catalogue
 from memprof.collect.hooks.roles import _loop_of
-from memprof.trace.model import ACTIVATIONS, CATEGORIES, PARAMETERS
+from memprof.trace.model import ACTIVATIONS, CATEGORIES, OPTIMIZER_STATE, PARAMETERS
 
 
 def _called_through(*files: str) -> str | None:
@@ -107,3 +107,19 @@ def test_a_frozen_pretrained_transformers_model_is_offered_qlora() -> None:
     for other in ({"dtypes": {"uint8": params, "bfloat16": trainable}},
                   {"repeated_blocks": [{"class": "Block", "count": 4, "module": "mine"}]}):
         assert "qlora" not in {r.key for r in catalogue(peak, Context({**facts, **other}))}
+
+
+@pytest.mark.parametrize(("loop", "switch"), [
+    ("transformers", "TrainingArguments(..., deepspeed="),
+    ("lightning", 'strategy="deepspeed_stage_2_offload"'),
+    ("accelerate", 'DeepSpeedPlugin(\n    zero_stage=2, offload_optimizer_device="cpu")'),
+    (None, "deepspeed.initialize("),
+])
+def test_optimizer_offload_is_configured_in_the_loops_library(loop: str | None,
+                                                             switch: str) -> None:
+    moment = {**dict.fromkeys(CATEGORIES, 0), OPTIMIZER_STATE: 8 << 20, ACTIVATIONS: 1 << 20}
+    facts = {"trainer": loop, "dtypes": {"float32": 1 << 20}, "autocast": None}
+    found = {r.key: r for r in catalogue(Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0),
+                                         Context(facts))}
+    assert switch in found["offload_optimizer"].snippet
+    compile(found["offload_optimizer"].snippet, "<snippet>", "exec")

@@ -322,10 +322,26 @@ def _optimizer_state(peak: Peak, ctx: Context) -> list[Remedy]:
         "offload_optimizer", "optimizer state offloaded to CPU memory", "optimizer", 10,
         "time: the step runs on the CPU or streams state over PCIe; host RAM for the state",
         SEEDS["000"], "no optimizer state stays on the GPU",
-        lambda p: p.scaled({OPTIMIZER_STATE: 0.0}),
-        'ds_config = {"zero_optimization": {"stage": 2,\n'
-        '                                   "offload_optimizer": {"device": "cpu"}}}'))
+        lambda p: p.scaled({OPTIMIZER_STATE: 0.0}), _offload_snippet(ctx)))
     return found
+
+
+def _offload_snippet(ctx: Context) -> str:
+    """ZeRO-Offload of the optimizer state, in the switches of the loop's library."""
+    if ctx.trainer:
+        return ('TrainingArguments(..., deepspeed={"zero_optimization": {\n'
+                '    "stage": 2, "offload_optimizer": {"device": "cpu"}}})'
+                "  # deepspeed installed")
+    if ctx.loop == "lightning":
+        return 'trainer = L.Trainer(..., strategy="deepspeed_stage_2_offload")'
+    if ctx.loop == "accelerate":
+        return ("from accelerate import Accelerator, DeepSpeedPlugin\n\n"
+                "accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(\n"
+                '    zero_stage=2, offload_optimizer_device="cpu"))')
+    return ('ds_config = {"zero_optimization": {"stage": 2,\n'
+            '                                   "offload_optimizer": {"device": "cpu"}}}\n'
+            "engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,"
+            "\n                                               config=ds_config)")
 
 
 def _in_training(ctx: Context) -> str:
