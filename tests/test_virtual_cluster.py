@@ -552,3 +552,41 @@ def test_each_rank_gets_torchruns_environment() -> None:
                                 "GROUP_RANK", "MASTER_PORT")} == {
         "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
         "GROUP_RANK": "1", "MASTER_PORT": "29400"}
+
+
+@pytest.mark.parametrize("group", [(1, 4)], indirect=True)
+def test_sequence_parallel_shards_the_norms_activations_along_the_sequence(
+        group: VirtualGpu) -> None:
+    """Megatron's sequence parallelism over a tensor-parallel group of 4, unmodified
+    (``parallelize_module`` with ``SequenceParallel``): the norm runs on a quarter of the
+    sequence, the projections on the sequence all-gathered and a quarter of the features."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    batch, seq, dim, hidden = 2, 64, 32, 128
+    mesh = init_device_mesh("cuda", (4,), mesh_dim_names=("tp",))
+    block = torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, hidden),
+                                torch.nn.GELU(), torch.nn.Linear(hidden, dim)).cuda()
+    parallelize_module(block, mesh, {
+        "0": SequenceParallel(),
+        "1": ColwiseParallel(input_layouts=Shard(1)),
+        "3": RowwiseParallel(output_layouts=Shard(1))})
+    seen = {}
+    for name, module in block.named_children():
+        module.register_forward_hook(
+            lambda m, i, out, name=name: seen.__setitem__(name, tuple(
+                (out.to_local() if hasattr(out, "to_local") else out).shape)))
+    x = torch.ones(batch, seq // 4, dim, device="cuda")  # this rank's quarter of the sequence
+    block(x).sum().backward()
+    # the norm on a quarter of the sequence; the projections on the whole sequence gathered,
+    # each on a quarter of the hidden features; the output scattered back by sequence
+    assert seen == {"0": (batch, seq // 4, dim), "1": (batch, seq, hidden // 4),
+                    "2": (batch, seq, hidden // 4), "3": (batch, seq // 4, dim)}
+    # weights: the norm replicated, colwise rows and rowwise columns a quarter each
+    assert [tuple(p.to_local().shape) for p in block.parameters()] == [
+        (dim,), (dim,), (hidden // 4, dim), (hidden // 4,), (dim, hidden // 4), (dim,)]
