@@ -11,9 +11,10 @@ exception, ``sys.exit``, threads left running and ``atexit`` end it as they end 
 interpreter. PyTorch's DataLoader forks after importing torch in the same way.
 
 A variable that the imports read (``OMP_NUM_THREADS``, ``PYTHONPATH``...) must be the
-server's, so there is one server per environment, the variables read later (``MEMPROF_*``
-and ``PYTORCH_CUDA_ALLOC_CONF``) aside. The server ends with the process that started it (its
-stdin, a pipe that process holds, closes), and its children end with it.
+server's, so there is one server per environment, the variables read later (``MEMPROF_*``,
+``PYTORCH_CUDA_ALLOC_CONF`` and pytest's ``PYTEST_CURRENT_TEST``) aside. The server ends
+with the process that started it (its stdin, a pipe that process holds, closes), and its
+children end with it.
 
     with WarmPython(os.environ) as warm:
         code = warm.start(["-m", "memprof", "run", "train.py"], cwd=".", env=env,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
+import gc
 import importlib
 import io
 import json
@@ -54,7 +56,9 @@ PRELOADED = ("torch", "memprof.cli.app", "memprof.cli.run", "memprof.collect.rec
              "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
              "torch.testing._internal.distributed.fake_pg", "torch.onnx", "typer._adapters",
              "pydantic", "numpy.random")
-READ_LATER = ("MEMPROF_", "PYTORCH_CUDA_ALLOC_CONF")  # variables no import reads
+# variables no import reads: memprof's, the allocator's, and the one pytest sets anew for
+# each test (``suggest`` under a test would otherwise start a server a test)
+READ_LATER = ("MEMPROF_", "PYTORCH_CUDA_ALLOC_CONF", "PYTEST_CURRENT_TEST")
 _STATUS = struct.Struct("q")  # the child's pid, then its return code (as Popen's)
 _PR_SET_PDEATHSIG = 1
 _MAX_REQUEST = 1 << 20
@@ -317,6 +321,10 @@ def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
     for name in PRELOADED:
         importlib.import_module(name)
+    # what the imports made stays: the collector never walks it again, in this server or its
+    # children, whose pages it would otherwise copy (as the gc docs advise before forking)
+    gc.collect()
+    gc.freeze()
     request = _serve(control)
     _become(request)
     sys.argv = [request.args[1], *request.args[2:]]

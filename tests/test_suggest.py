@@ -210,7 +210,7 @@ def test_a_hugging_face_model_and_trainer_get_the_librarys_switches(runs: Path):
         in_trainer = {key: "TrainingArguments(" in snippet for key, snippet in snippets.items()}
         expected = {"autocast", "micro_batch_2", "micro_batch_4", "micro_batch_8",
                     "micro_batch_16", "optimizer_8bit", "optimizer_sgd",
-                    "optimizer_adafactor"} if trainer else set()
+                    "optimizer_adafactor", "offload_optimizer"} if trainer else set()
         assert {key for key, used in in_trainer.items() if used} - {"checkpoint_blocks"} \
             == expected
     assert 'optim="adamw_bnb_8bit"' in snippets["optimizer_8bit"]
