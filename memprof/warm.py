@@ -179,10 +179,12 @@ def run(args: Sequence[str], cwd: str | os.PathLike[str], env: Mapping[str, str]
     argv = [sys.executable, *args]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
             open(os.devnull, "rb") as empty:
+        streams = (empty.fileno(), out.fileno(), err.fileno())
+        started: Started | subprocess.Popen[bytes] | None = None
         if available() and list(args[:1]) == ["-m"] and len(args) > 1:
-            started: Started | subprocess.Popen[bytes] = server_for(env).start(
-                args, cwd, env, (empty.fileno(), out.fileno(), err.fileno()), new_session=True)
-        else:
+            with contextlib.suppress(OSError):  # no server here: the command starts fresh
+                started = server_for(env).start(args, cwd, env, streams, new_session=True)
+        if started is None:
             started = subprocess.Popen(argv, cwd=cwd, env=dict(env), stdin=empty, stdout=out,
                                        stderr=err, start_new_session=True,
                                        preexec_fn=die_with_parent)
@@ -319,8 +321,9 @@ def _become(request: _Request) -> None:
 def main() -> None:
     """The server: import what commands need, serve, and in each child run its command."""
     control = socket.socket(fileno=int(sys.argv[1]))
-    for name in PRELOADED:
-        importlib.import_module(name)
+    for name in PRELOADED:  # what this torch lacks, a command imports (and fails on) itself
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
     # what the imports made stays: the collector never walks it again, in this server or its
     # children, whose pages it would otherwise copy (as the gc docs advise before forking)
     gc.collect()

@@ -105,3 +105,14 @@ def test_a_command_past_its_time_is_killed_with_its_session(probe: Path):
                 return
         time.sleep(0.05)
     pytest.fail("the command's own child outlived the timeout")
+
+
+def test_without_a_server_a_command_starts_fresh(tmp_path: Path):
+    """A ``memprof`` package that cannot be imported where the server would start (a
+    shadowing folder): the server ends at once, and the command runs as ``python -m``."""
+    (tmp_path / "memprof").mkdir()
+    (tmp_path / "memprof" / "__init__.py").write_text("raise ImportError('not here')\n")
+    (tmp_path / "hello.py").write_text("import sys; print('hello', sys.argv[1:])\n")
+    done = warm.run(["-m", "hello", "a b"], tmp_path,
+                    {**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "hello ['a b']\n")
