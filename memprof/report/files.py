@@ -3,6 +3,7 @@ line when it fails."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import tempfile
@@ -37,11 +38,13 @@ def write_atomic(path: Path, write: Callable[[Path], None], overwrite: bool = Fa
     """
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
     except OSError as exc:
         raise MemprofError(f"{path}: cannot write ({exc.strerror})") from None
-    os.close(fd)
+    tmp = None
     try:
+        # named inside the try: a Ctrl-C right after it is made still removes it
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+        os.close(fd)
         write(Path(tmp))
         umask = os.umask(0)
         os.umask(umask)
@@ -55,7 +58,20 @@ def write_atomic(path: Path, write: Callable[[Path], None], overwrite: bool = Fa
             raise MemprofError(f"{path}: already exists; pass --force to overwrite it") from None
         raise MemprofError(f"{path}: cannot write ({exc.strerror})") from None
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            _remove(tmp)
+
+
+def _remove(tmp: str) -> None:
+    """Remove ``tmp``, even if a Ctrl-C (a second one) arrives while it is being removed."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    except KeyboardInterrupt:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _move_exclusive(tmp: str, path: Path) -> None:
