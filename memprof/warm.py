@@ -16,9 +16,9 @@ server's, so there is one server per environment, the variables read later (``ME
 with the process that started it (its stdin, a pipe that process holds, closes), and its
 children end with it.
 
-    with WarmPython(os.environ) as warm:
-        code = warm.start(["-m", "memprof", "run", "train.py"], cwd=".", env=env,
-                          streams=(0, out.fileno(), err.fileno())).wait()
+    done = run(["-m", "memprof", "run", "train.py"], cwd=".", env=env)   # CompletedProcess
+    started = server_for(env).start(["-m", "memprof", "run", "train.py"], ".", env,
+                                    (0, out.fileno(), err.fileno()))    # started.wait()
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import threading
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import IO
 
 # what a run imports before the script's first line, or lazily on the virtual GPU (fake
@@ -135,24 +134,6 @@ class WarmPython:
     def alive(self) -> bool:
         """Whether the server still runs."""
         return self._server.poll() is None
-
-    def close(self) -> None:
-        """End the server (and any command it still runs)."""
-        self._control.close()
-        if self._server.stdin is not None:
-            self._server.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._server.wait(timeout=10)
-            return
-        self._server.kill()
-        self._server.wait()
-
-    def __enter__(self) -> WarmPython:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:
-        self.close()
 
 
 _servers: dict[tuple[tuple[str, str], ...], WarmPython] = {}
