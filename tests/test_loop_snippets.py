@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
+from memprof.advise.checkpointing import checkpoint_remedies
 from memprof.advise.peak import Peak
 from memprof.advise.remedies import Context, catalogue
 from memprof.collect.hooks.roles import _loop_of
@@ -74,10 +75,14 @@ def test_a_library_model_checkpoints_by_its_own_switch(module: str, switch: str)
     """A model whose blocks are a library's classes gets that library's switch, and no
     hand-made segments; a model of the script's own gets both by hand."""
     moment = {**dict.fromkeys(CATEGORIES, 0), ACTIVATIONS: 100 << 20}
+    # inputs half of what the blocks save: keeping 4 of them beats keeping all 16
+    saved = {"inside_bytes": 64 << 20, "kept_inputs_bytes": 32 << 20,
+             "largest_call_bytes": 4 << 20, "forward_bytes": 100 << 20}
     facts = {"dtypes": {"float32": 1 << 20}, "autocast": None, "repeated_blocks": [
-        {"class": "Block", "module": module, "count": 16}]}
-    snippets = {r.key: r.snippet for r in catalogue(
-        Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0), Context(facts))}
+        {"class": "Block", "module": module, "count": 16, "saved": saved,
+         "call": {"args": ["x"], "kwargs": []}}]}
+    peak, ctx = Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0), Context(facts)
+    snippets = {r.key: r.snippet for r in catalogue(peak, ctx) + checkpoint_remedies(peak, ctx)}
     assert switch in snippets["checkpoint_blocks"]
     compile(snippets["checkpoint_blocks"], "<snippet>", "exec")
     assert ("checkpoint_sqrt" in snippets) == (module == "my_model")

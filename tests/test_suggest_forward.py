@@ -17,9 +17,10 @@ from test_suggest import advice_json
 
 from memprof.advise.advice import advise
 from memprof.advise.budget import parse_budget
+from memprof.advise.checkpointing import checkpoint_remedies
 from memprof.advise.forward_remedies import forward_remedies
 from memprof.advise.peak import Peak
-from memprof.advise.remedies import Context, catalogue
+from memprof.advise.remedies import Context
 from memprof.advise.source import load_run
 from memprof.trace.model import (
     ACTIVATIONS,
@@ -218,10 +219,10 @@ def test_a_model_trained_in_eval_mode_is_told_to_train_before_it_checkpoints(
     # a peak the activations fill, for the checkpointing remedy to apply
     moment = {**dict.fromkeys(CATEGORIES, 0), ACTIVATIONS: 100 << 20}
     start = Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0)
-    remedies = {r.key: r for r in catalogue(start, Context(hf))}
+    remedies = {r.key: r for r in checkpoint_remedies(start, Context(hf))}
     snippet = remedies["checkpoint_blocks"].snippet
     assert snippet.startswith("model.train()  # the Sequential trained in eval mode")
     compile(snippet, "<snippet>", "exec")
     trained = {**hf, "trained_in_eval": None}
-    assert "model.train()" not in {r.key: r for r in catalogue(
+    assert "model.train()" not in {r.key: r for r in checkpoint_remedies(
         start, Context(trained))}["checkpoint_blocks"].snippet

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memprof.advise.budget import Budget
+from memprof.advise.checkpointing import checkpoint_remedies
 from memprof.advise.forward_remedies import forward_remedies
 from memprof.advise.peak import Peak, peak_of
 from memprof.advise.plan import Plan, Ranked, plan, rank
@@ -31,7 +32,8 @@ def advise(run: Run, budget: Budget, gpus: int = 1) -> Advice:
     start = peak_of(run.device)
     ctx = Context(run.model, gpus, int(run.facts.get("world_size") or 1),
                   _expandable_ratio(run, start), run.device.get("leak"), _block_shares(run))
-    remedies = catalogue(start, ctx) + forward_remedies(start, ctx)
+    remedies = catalogue(start, ctx) + checkpoint_remedies(start, ctx) \
+        + forward_remedies(start, ctx)
     return Advice(run, budget, start, rank(start, remedies), plan(start, remedies, budget.bytes),
                   ctx)
 

@@ -9,7 +9,6 @@ not offered at all.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -41,7 +40,6 @@ SEEDS = {
             " every token over the whole vocabulary (Liger Kernel's fused linear"
             " cross-entropy, chunked losses)",
 }
-BLOCK_INPUT_SHARE = 0.06  # a transformer block's input against the activations it saves
 MICRO_BATCHES = (2, 4, 8, 16)
 # libraries whose models switch checkpointing on themselves, by their modules' prefix
 MODEL_LIBRARIES = ("transformers", "diffusers")
@@ -132,7 +130,7 @@ def catalogue(peak: Peak, ctx: Context) -> list[Remedy]:
     busy = active >= 0.05 * peak.allocated
     found += _precision(ctx, busy)
     if busy:
-        found += _checkpointing(ctx) + _micro_batches(ctx)
+        found += _micro_batches(ctx)
     found += _optimizer_state(peak, ctx) + _sharding(peak, ctx) + _model_state(peak, ctx)
     found += _allocator(peak, ctx) + _hygiene(peak, ctx)
     return found
@@ -199,53 +197,6 @@ def _single(share: float) -> list[Remedy]:
                                               ACTIVATIONS, TEMPORARIES)}),
         "model = model.float()  # or never .double(); and float32 inputs:\n"
         "torch.set_default_dtype(torch.float32)")]
-
-
-def _checkpointing(ctx: Context) -> list[Remedy]:
-    block = ctx.block
-    if block is None or block["class"] in (ctx.model.get("checkpointed") or []):
-        return []  # no blocks, or the script checkpoints them already
-    n, name = block["count"], block["class"]
-
-    shares = ctx.block_shares or {ACTIVATIONS: 1.0, TEMPORARIES: 1.0}
-
-    def keeping(segments: int) -> Callable[[Peak], Peak]:
-        kept = min(1.0, 1 / segments + BLOCK_INPUT_SHARE * segments / n)
-        return lambda p: p.scaled({k: 1 - share * (1 - kept) for k, share in shares.items()},
-                                  step_too=False)
-
-    held = (f"{shares[ACTIVATIONS]:.0%} of the activations and {shares[TEMPORARIES]:.0%} of"
-            " the temporaries at the peak (as memprof run attributed them to modules)"
-            if ctx.block_shares else "the activations and temporaries at the peak")
-    common = (f"{held} are the {n} {name} blocks', evenly; a block's input is"
-              f" {BLOCK_INPUT_SHARE:.0%} of what it saves (a transformer block)")
-    remedies = [Remedy(
-        "checkpoint_blocks", f"activation checkpointing of each {name} ({n} blocks)",
-        "checkpointing", 6, "compute: one more forward of each block in backward (~30%)",
-        SEEDS["003"], f"{common}; one block's activations are recomputed at a time",
-        keeping(n),
-        _in_training(ctx) + "model.gradient_checkpointing_enable(\n"
-        '    gradient_checkpointing_kwargs={"use_reentrant": False})'
-        "  # or TrainingArguments(gradient_checkpointing=True)" if ctx.transformers else
-        _in_training(ctx) + "model.enable_gradient_checkpointing()  # the diffusers model"
-        f" whose {name} blocks these are" if ctx.model_library == "diffusers" else
-        "from torch.utils.checkpoint import checkpoint\n\n"
-        f"# where the model calls its {name} modules, e.g. in its forward:\n"
-        f"for block in blocks:  # the {n} {name} modules\n"
-        "    x = checkpoint(block, x, use_reentrant=False)",
-        {"checkpoint": name})]
-    segments = round(math.sqrt(n))
-    if n >= 4 and segments < n and not ctx.model_library:  # a library's: no such switch
-        remedies.append(Remedy(
-            "checkpoint_sqrt", f"checkpointing every {n // segments} {name} blocks"
-            f" ({segments} segments, about sqrt({n}))", "checkpointing", 5,
-            "compute: about one more forward pass in backward", SEEDS["004"],
-            f"{common}; one segment is recomputed at a time",
-            keeping(segments),
-            "from torch.utils.checkpoint import checkpoint_sequential\n\n"
-            f"# the {n} {name} modules, run in sequence:\n"
-            f"x = checkpoint_sequential(blocks, {segments}, x, use_reentrant=False)"))
-    return remedies
 
 
 def _micro_batches(ctx: Context) -> list[Remedy]:
@@ -342,15 +293,6 @@ def _offload_snippet(ctx: Context) -> str:
             '                                   "offload_optimizer": {"device": "cpu"}}}\n'
             "engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,"
             "\n                                               config=ds_config)")
-
-
-def _in_training(ctx: Context) -> str:
-    """A model trained in eval mode (``from_pretrained`` returns one) checkpoints nothing
-    under Hugging Face's switch: it applies in training mode only."""
-    model = ctx.model.get("trained_in_eval")
-    return (f"model.train()  # the {model} trained in eval mode: Hugging Face models skip"
-            " gradient checkpointing\n# (and dropout) then, whatever enables it\n"
-            if model else "")
 
 
 def _optim(ctx: Context, trainer_name: str, snippet: str) -> str:

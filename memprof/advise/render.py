@@ -143,7 +143,7 @@ def _plan(advice: Advice, measured: Measured) -> Group:
         instead = (f" Measured to fit on its own: {alone[0][0]} ({fb(alone[0][1].reserved)})."
                    if alone else "")
         parts.append(Text(f"The plan was estimated to fit {fb(advice.budget.bytes)} but"
-                          f" {shown}: it does not fit.{instead} Its steps:", "bold red"))
+                          f" {shown}: it does not fit.{instead} The estimated plan:", "bold red"))
     else:
         final = plan.final(advice.start)
         moment = final.moment

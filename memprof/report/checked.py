@@ -11,6 +11,7 @@ may hold anything; the ones they do must be what ``memprof run`` and ``explain``
 
 from __future__ import annotations
 
+import keyword
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -63,6 +64,12 @@ SHARE = _number(0, 1e6)
 SECONDS = _number(0, 1e9)
 TEXT = _kind(str, "a string")
 FLAG = _kind(bool, "true or false")
+
+
+def IDENTIFIER(value: Any, where: str) -> None:
+    """A Python name (an argument's, shown in a snippet)."""
+    if type(value) is not str or not value.isidentifier() or keyword.iskeyword(value):
+        _fail(where, value, "a Python name")
 
 
 def ANY(value: Any, where: str) -> None:
@@ -176,8 +183,15 @@ MODEL = record(
     optimizers=items(record(("class",), **{"class": TEXT}, state_bytes=BYTES,
                             momentum=optional(FLAG), fused=optional(FLAG),
                             foreach=optional(FLAG))),
-    repeated_blocks=items(record(("class", "count"), **{"class": TEXT}, module=optional(TEXT),
-                                 count=COUNT, parameters_each=COUNT)),
+    repeated_blocks=items(record(
+        ("class", "count"), **{"class": TEXT}, module=optional(TEXT), count=COUNT,
+        parameters_each=COUNT, switch=optional(TEXT),
+        saved=optional(record(("inside_bytes", "kept_inputs_bytes", "largest_call_bytes",
+                                "forward_bytes"), inside_bytes=BYTES,
+                               kept_inputs_bytes=BYTES, largest_call_bytes=BYTES,
+                               forward_bytes=BYTES, calls=COUNT)),
+        call=optional(record(("args", "kwargs"), args=items(IDENTIFIER),
+                             kwargs=items(IDENTIFIER))))),
     autocast=optional(TEXT), pretrained=FLAG, trainer=optional(TEXT),
     zero_grad_set_to_none=optional(FLAG),
     attention=optional(record(fused=optional(FLAG), score_shape=optional(items(COUNT)),

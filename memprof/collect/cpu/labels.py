@@ -87,6 +87,7 @@ class LabelHooks(RoleHooks):
         return super()._pack(t)
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        self._blocks.stop()
         if self._eval_tagged:  # a backward reads it: that eval forward was backpropagated
             for event in self._tracker.alloc_events(t):
                 if self._tags.get(id(event)) == EVAL_ACTIVATIONS:

@@ -22,15 +22,20 @@ _HOOK_DEPTH = 8  # frames from a hook (or a forward) to the module call that run
 _FORWARD_DEPTH = 16  # frames from a module call out to the call of the module around it
 
 
+def call_frame(frame: FrameType | None) -> FrameType | None:
+    """The ``Module._call_impl`` frame running ``frame`` (a forward hook's, or the
+    forward's own); None if none is found."""
+    for _ in range(_HOOK_DEPTH):
+        if frame is None or frame.f_code is _CALL_IMPL:
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def module_caller(frame: FrameType | None) -> FrameType | None:
     """The frame that made the module call running ``frame`` (a forward hook's, or the
     forward's own), past ``Module.__call__``; None if none is found."""
-    for _ in range(_HOOK_DEPTH):
-        if frame is None or frame.f_code is _CALL_IMPL:
-            break
-        frame = frame.f_back
-    else:
-        return None
+    frame = call_frame(frame)
     caller = frame.f_back if frame is not None else None
     while caller is not None and caller.f_code is _WRAPPED_CALL_IMPL:
         caller = caller.f_back

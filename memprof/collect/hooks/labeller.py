@@ -119,7 +119,7 @@ class HookLabeller(RoleHooks):
             return
         self._owner = path = self._stack.enter(module)
         try:
-            self._see(module)
+            self._see(module, args)
         finally:
             self._owner = None
         self.marks.append((self._clock(), path, True))  # after the hook's own work
@@ -128,7 +128,7 @@ class HookLabeller(RoleHooks):
         if torch.compiler.is_compiling():
             return
         at = self._clock()
-        self._forward.after(module)
+        self._exit(module)
         self._stack.exit(module)
         self.marks.append((at, self._stack.current(), False))
 
@@ -144,6 +144,7 @@ class HookLabeller(RoleHooks):
         return super()._pack(t)
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        self._blocks.stop()
         if self._eval_saved:  # a backward reads it: that eval forward was backpropagated
             self._sight(self.tags, t, READ)
         # a backward node unpacks what it saved before it computes: its module starts

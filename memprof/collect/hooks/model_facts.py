@@ -21,8 +21,10 @@ SMALL_TENSOR = 4096  # bitsandbytes keeps 32-bit optimizer state below this many
 
 
 def model_facts(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer],
-                autocast: str | None) -> dict[str, Any]:
-    """The ``model`` entry of a recording (JSON-ready)."""
+                autocast: str | None,
+                blocks: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    """The ``model`` entry of a recording (JSON-ready); ``blocks``: what each block class
+    saved for backward and how it was called (``BlockSaves.facts``), by module and name."""
     modules = list(modules)
     params = {id(p): p for m in modules for p in m.parameters(recurse=False)}
     for optimizer in optimizers:
@@ -40,7 +42,7 @@ def model_facts(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
                                      if p.numel() < SMALL_TENSOR),
         "trainable_numels": sorted(p.numel() for p in params.values() if p.requires_grad),
         "optimizers": [_optimizer(o) for o in optimizers],
-        "repeated_blocks": _repeated_blocks(modules),
+        "repeated_blocks": _repeated_blocks(modules, blocks),
         "autocast": autocast,
         # a Hugging Face model from_pretrained loaded (from a config: an empty name)
         "pretrained": any(bool(getattr(getattr(m, "config", None), "_name_or_path", ""))
@@ -60,9 +62,11 @@ def _optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     }
 
 
-def _repeated_blocks(modules: list[torch.nn.Module]) -> list[dict[str, Any]]:
+def _repeated_blocks(modules: list[torch.nn.Module],
+                     measured: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     """Module classes with parameters that occur more than once (transformer blocks, ...),
-    the largest first; containers and leaf layers are left out."""
+    the largest first (by all their instances' parameters); containers and leaf layers are
+    left out."""
     by_class: dict[type, list[torch.nn.Module]] = {}
     for m in modules:
         if isinstance(m, _CONTAINERS) or not any(True for _ in m.children()):
@@ -70,8 +74,9 @@ def _repeated_blocks(modules: list[torch.nn.Module]) -> list[dict[str, Any]]:
         by_class.setdefault(type(m), []).append(m)
     blocks = []
     for cls, instances in by_class.items():
-        size = sum(p.numel() for p in instances[0].parameters())
+        size = sum(p.numel() for m in instances for p in m.parameters())
         if len(instances) > 1 and size:
             blocks.append({"class": cls.__name__, "module": cls.__module__,
-                           "count": len(instances), "parameters_each": size})
-    return sorted(blocks, key=lambda b: -b["count"] * b["parameters_each"])
+                           "count": len(instances), "parameters_each": size // len(instances),
+                           **measured.get((cls.__module__, cls.__name__), {})})
+    return sorted(blocks, key=lambda b: (-b["count"] * b["parameters_each"], b["class"]))

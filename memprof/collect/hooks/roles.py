@@ -27,6 +27,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from memprof.collect.hooks.block_saves import BlockSaves
 from memprof.collect.hooks.forward_facts import ForwardFacts
 from memprof.collect.hooks.model_facts import model_facts
 from memprof.collect.hooks.step_pace import END, MOVE, StepPace
@@ -65,6 +66,7 @@ class RoleHooks:
         self._trainer: str | None = None
         self._pace = StepPace()
         self._forward = ForwardFacts()
+        self._blocks = BlockSaves()
         self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         # each module's parameter and buffer addresses when its forward last marked them
         self._held: WeakIdMap[tuple[int, ...]] = WeakIdMap()
@@ -162,15 +164,22 @@ class RoleHooks:
 
     def _on_forward(self, module: torch.nn.Module, args: object) -> None:
         if not torch.compiler.is_compiling():  # traced into a compiled graph: left as it is
-            self._see(module)
+            self._see(module, args)
 
     def _on_exit(self, module: torch.nn.Module, args: object, output: object) -> None:
         if not torch.compiler.is_compiling():
-            self._forward.after(module)
+            self._exit(module)
 
-    def _see(self, module: torch.nn.Module) -> None:
+    def _exit(self, module: torch.nn.Module) -> None:
+        """A module's forward has ended."""
+        self._forward.after(module)
+        self._blocks.exit(module)
+
+    def _see(self, module: torch.nn.Module, args: object) -> None:
         """A module's forward starts: mark its parameters and buffers when they moved."""
         self._forward.before(module)
+        stack = self._forward.stack
+        self._blocks.enter(module, args, stack[-2] if len(stack) > 1 else None)
         if self._autocast is None and torch._C._is_any_autocast_enabled():
             self._autocast = _autocast_dtype(module)
         held = _addresses(module)
@@ -193,7 +202,8 @@ class RoleHooks:
             self._mark(p.grad, GRADIENTS)
 
     def _model_facts(self) -> dict[str, Any]:
-        return {**model_facts(self._modules, self._optimizers, self._autocast),
+        return {**model_facts(self._modules, self._optimizers, self._autocast,
+                              self._blocks.facts()),
                 "trainer": self._trainer}
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
@@ -213,12 +223,14 @@ class RoleHooks:
         if where != END:
             return
         self._end_step()
+        self._blocks.stop(backward=False)
         self._steps_seen += 1
         if self._steps_seen <= 2:  # the state exists after a step; the objects may not at exit
             self.model = self._model_facts()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._mark(t, ACTIVATIONS)
+        self._blocks.saved(t)
         # the tensor itself would make a reference cycle through its grad_fn that keeps
         # a graph that is never backwarded alive; a detached view shares the storage
         return t.detach()

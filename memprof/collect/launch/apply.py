@@ -2,10 +2,10 @@
 
 ``MEMPROF_APPLY`` (JSON) names them: ``{"autocast": "bfloat16"}`` runs each outermost
 module call (the forward pass) under CUDA autocast (with ``"autocast_device": "cpu"``, the
-CPU's: a CPU recording's tensors stand in for CUDA's); ``{"checkpoint": "Block"}`` runs
-every module of class ``Block`` under activation checkpointing (from its class's first
-forward on: the first call of the first instance runs as written, and so do the calls the
-script checkpoints itself).
+CPU's: a CPU recording's tensors stand in for CUDA's); ``{"checkpoint": "Block"}`` (or a
+list of class names) runs every module of class ``Block`` under activation checkpointing
+(from its class's first forward on: the first call of the first instance runs as written,
+and so do the calls the script checkpoints itself).
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ def applied(asked: dict[str, Any]) -> Iterator[None]:
         if (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
                 and device in ("cuda", "cpu")):
             stack.enter_context(_autocast_forward(getattr(torch, dtype), device))
-        block = asked.get("checkpoint")
-        if isinstance(block, str):
-            stack.enter_context(_checkpointing(block))
+        blocks = asked.get("checkpoint")
+        blocks = [blocks] if isinstance(blocks, str) else blocks
+        if isinstance(blocks, list) and all(isinstance(b, str) for b in blocks):
+            stack.enter_context(_checkpointing(frozenset(blocks)))
         yield
 
 
@@ -82,12 +83,12 @@ def _autocast_forward(dtype: torch.dtype, device: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _checkpointing(class_name: str) -> Iterator[None]:
+def _checkpointing(class_names: frozenset[str]) -> Iterator[None]:
     patched: dict[type, Callable[..., Any]] = {}
 
     def on_forward(module: torch.nn.Module, args: object) -> None:
         cls = type(module)
-        if cls.__name__ == class_name and cls not in patched:
+        if cls.__name__ in class_names and cls not in patched:
             patched[cls] = cls.forward
             cls.forward = _checkpointed(cls.forward)  # type: ignore[method-assign]
 

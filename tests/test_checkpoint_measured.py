@@ -1,0 +1,118 @@
+"""What checkpointing each block class would free, measured by ``memprof run``'s hooks
+(``collect/hooks/block_saves.py``), against autograd's own saves written out by hand, and
+the checkpointing remedy built from it (``advise/checkpointing.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from memprof.advise.checkpointing import checkpoint_remedies
+from memprof.advise.peak import Peak
+from memprof.advise.remedies import Context
+from memprof.collect.cpu.recorder import CpuRecorder
+from memprof.trace.model import ACTIVATIONS, CATEGORIES
+
+N, B, D = 4, 8, 16  # blocks, batch rows, width
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        # fc1 saves x, relu its output, fc2 that output again; * a float saves nothing
+        return x + self.fc2(torch.relu(self.fc1(x))) * scale
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Mlp() for _ in range(N))
+        self.head = nn.Linear(D, 1)  # saves the last block's output: outside every block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, scale=0.5)
+        return self.head(x)
+
+
+def _recorded(steps: int = 2) -> dict[str, Any]:
+    with CpuRecorder() as recorder:
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters())
+        for _ in range(steps):
+            model(torch.randn(B, D)).sum().backward()
+            optimizer.step()
+    return recorder.snapshot()["memprof"]["model"]
+
+
+def test_each_blocks_saves_inputs_and_call_are_measured():
+    block = next(b for b in _recorded()["repeated_blocks"] if b["class"] == "Mlp")
+    row, hidden = B * D * 4, B * 4 * D * 4  # fp32 bytes of a block's input and of relu's
+    assert block["saved"] == {
+        "inside_bytes": N * (row + hidden),  # each block's input and relu output
+        "kept_inputs_bytes": N * row,  # every input is saved inside a block
+        "largest_call_bytes": row + hidden,
+        "forward_bytes": N * (row + hidden) + row,  # and the head's input
+        "calls": N}  # the first forward only
+    assert block["call"] == {"args": ["x"], "kwargs": ["scale"]}
+    assert block["switch"] is None
+
+
+def test_the_remedy_frees_what_was_measured_and_calls_the_block_as_the_run_did():
+    model = _recorded()
+    saved = model["repeated_blocks"][0]["saved"]
+    freed = saved["inside_bytes"] - saved["kept_inputs_bytes"] - saved["largest_call_bytes"]
+    for held in (saved["forward_bytes"] * 2, saved["forward_bytes"] // 2):
+        at_peak = {**dict.fromkeys(CATEGORIES, 0), ACTIVATIONS: held}
+        peak = Peak(at_peak, dict.fromkeys(CATEGORIES, 0), 0.0)
+        (remedy,) = checkpoint_remedies(peak, Context(model))  # one input: no segments
+        changed = remedy.change(peak)
+        # all of the forward's saves at the peak, or half of them
+        share = min(1.0, held / saved["forward_bytes"])
+        assert held - changed.at_peak[ACTIVATIONS] == int(freed * share)
+        # late in backward, with every gradient: one block recomputed
+        assert changed.at_step[ACTIVATIONS] == saved["largest_call_bytes"]
+        assert "x = checkpoint(block, x, scale=scale, use_reentrant=False)" in remedy.snippet
+        assert remedy.verify == {"checkpoint": "Mlp"}
+        compile(remedy.snippet, remedy.key, "exec")
+
+
+def test_a_librarys_switch_frees_what_its_checkpointed_classes_free_together():
+    model = _recorded()
+    mlp = model["repeated_blocks"][0]
+    saved = mlp["saved"]
+    larger = {**saved, "largest_call_bytes": 2 * saved["largest_call_bytes"]}
+    # diffusers' blocks checkpoint the resnets and transformer blocks they call
+    facts = {**model, "repeated_blocks": [
+        {**mlp, "class": "ResnetBlock2D", "module": "diffusers.models.resnet",
+         "switch": "parent"},
+        {**mlp, "class": "BasicTransformerBlock", "module": "diffusers.models.attention",
+         "switch": "parent", "saved": larger},
+        {**mlp, "class": "Attention", "module": "diffusers.models.attention_processor"}]}
+    held = 2 * saved["forward_bytes"]
+    peak = Peak({**dict.fromkeys(CATEGORIES, 0), ACTIVATIONS: held},
+                dict.fromkeys(CATEGORIES, 0), 0.0)
+    (remedy,) = checkpoint_remedies(peak, Context(facts))
+    # both classes' saves less their inputs; the larger class's call recomputed at once
+    freed = 2 * (saved["inside_bytes"] - saved["kept_inputs_bytes"]) \
+        - larger["largest_call_bytes"]
+    assert held - remedy.change(peak).at_peak[ACTIVATIONS] == freed
+    assert remedy.snippet.startswith("model.enable_gradient_checkpointing()")
+    assert remedy.verify == {"checkpoint": ["ResnetBlock2D", "BasicTransformerBlock"]}
+    assert "Attention" not in remedy.title
+
+
+def test_verify_checkpoints_every_class_it_is_given():
+    from memprof.collect.launch.apply import applied
+
+    with CpuRecorder() as recorder, applied({"checkpoint": ["Mlp", "Missing"]}):
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters())
+        model(torch.randn(B, D)).sum().backward()
+        optimizer.step()
+    assert recorder.snapshot()["memprof"]["model"]["checkpointed"] == ["Mlp"]
