@@ -82,3 +82,79 @@ def test_an_out_of_memory_in_the_first_step_keeps_the_model_and_its_half_built_s
     assert data["run"]["model"]["parameters"] == sum(p.numel() for p in model.parameters())
     held = data["devices"][0]["oom"]["live"]["categories"]
     assert held["optimizer_state"] > 0 and held["temporaries"] == 0
+
+
+def test_a_memory_fraction_is_the_limit_the_run_ran_out_under(tmp_path: Path) -> None:
+    """oom.py caps the process at 5% of the card (set_per_process_memory_fraction): the
+    failed request is a shortage under that cap, and the need is short of it, not of the
+    card."""
+    t4 = parse_spec("T4")
+    result = memprof_run(tmp_path, "-o", "run", "--virtual-gpu", "T4", "--no-timeline",
+                         SAMPLES / "oom.py")
+    data = report(tmp_path / "run")
+    allowed = int(0.05 * t4.total_bytes)  # as the caching allocator computes its cap
+    oom = data["devices"][0]["oom"]
+    assert (oom["limit_bytes"], oom["kind"]) == (allowed, "shortage"), result.stderr[-2000:]
+    need = data["run"]["need"]
+    assert need["allowed_bytes"] == allowed
+    assert need["short_bytes"] == need["reserved_bytes"] - allowed > 0
+    assert "where the run could reserve only" in " ".join(result.stderr.split())
+
+
+@pytest.fixture(scope="module")
+def on_a_gpu(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small card's run as a real GPU's report would have it: no virtual card, no need
+    (a real GPU cannot re-run with more memory), its card and CUDA context as measured."""
+    from memprof.report.provenance import sign
+
+    where = tmp_path_factory.mktemp("predict")
+    ran = memprof_run(where, "-o", where / "gpu", "--virtual-gpu", "2GiB", "--steps", "3",
+                      "--no-timeline", "--no-need", *SCRIPT)
+    assert ran.code == 1, ran.stderr[-2000:]
+    path = where / "gpu" / "report.json"
+    data = json.loads(path.read_text())
+    run = data["run"]
+    assert "need" not in run  # --no-need
+    run.update(virtual_gpu=None, predicted=False, device="cuda (memprof test GPU)",
+               cuda={"name": "memprof test GPU", "total_bytes": SMALL.total_bytes,
+                     "context_bytes": CONTEXT})
+    # what the card had free when the run ran out, beside what it reserved
+    data["devices"][0]["oom"]["limit_bytes"] = SMALL.total_bytes - CONTEXT
+    run["signature"] = sign(run)  # memprof run wrote it here, for this user
+    path.write_text(json.dumps(data))
+    return where / "gpu"
+
+
+CONTEXT = 300 << 20  # the CUDA context the real GPU's run measured
+
+
+def test_suggest_predicts_what_a_real_gpus_run_needs(
+        runs: tuple[Path, Result, Path], on_a_gpu: Path) -> None:
+    _, _, big = runs
+    lower = run_python(["-m", "memprof", "suggest", on_a_gpu, "--budget", "2GiB"],
+                       on_a_gpu.parent)
+    assert "--predict" in lower.stdout and "lower bound" in lower.stdout
+    advised = run_python(["-m", "memprof", "suggest", on_a_gpu, "--budget", "2GiB", "--predict",
+                          "--json"], on_a_gpu.parent)
+    assert advised.code == 0, advised.stderr[-2000:]
+    assert "running it again on the virtual" in advised.stderr
+    need = report(on_a_gpu)["run"]["need"]
+    peak = report(big)["devices"][0]["peak"]  # the same capability: the same peak
+    assert need["reserved_bytes"] == peak["reserved_bytes"]
+    assert (need["card_bytes"], need["context_bytes"]) == (SMALL.total_bytes, CONTEXT)
+    assert need["short_bytes"] == peak["reserved_bytes"] + CONTEXT - SMALL.total_bytes > 0
+    data = json.loads(advised.stdout)
+    assert data["source"]["path"] == str(on_a_gpu / "need" / "report.json")
+    assert data["suggest"]["fits_now"] is False
+    again = run_python(["-m", "memprof", "suggest", on_a_gpu, "--budget", "2GiB", "--predict"],
+                       on_a_gpu.parent)
+    assert "known already" in again.stderr and "running it again" not in again.stderr
+
+
+def test_predict_is_for_a_run_that_ran_out_of_memory(runs: tuple[Path, Result, Path]) -> None:
+    _, _, big = runs
+    refused = run_python(["-m", "memprof", "suggest", big, "--budget", "80GB", "--predict"],
+                         big.parent)
+    assert refused.code == 2
+    assert refused.stderr.strip().count("\n") == 0
+    assert "--predict tells what a run that ran out of memory needs" in refused.stderr

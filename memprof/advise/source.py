@@ -82,11 +82,14 @@ def _out_of_memory(data: dict[str, Any], folder: Path, path: Path) -> Run:
     again = folder / NEED_FOLDER / REPORT_NAME
     if isinstance(need.get("total_bytes"), int) and again.is_file():
         rerun = load_report(again, "the re-run's report")
+        allowed = need.get("allowed_bytes")
+        capped = f", where the run could reserve only {fb(allowed)}" if allowed else ""
         return _run(rerun.path, rerun.data, f"The run ran out of memory; advising from its"
                     f" re-run with the card's memory raised ({again.parent}), which needs"
-                    f" {fb(need['total_bytes'])}.")
+                    f" {fb(need['total_bytes'])}{capped}.")
     why = need.get("unknown") if isinstance(need.get("unknown"), str) else \
-        "no re-run with the memory raised: memprof run --virtual-gpu CARD predicts it"
+        "no re-run with the memory raised: memprof suggest RUN --predict re-runs it on the" \
+        " virtual GPU"
     return _run(path, data, f"The run ran out of memory, so its peak is a lower bound of what"
                 f" it needs ({why}); the savings below are of what ran.", lower_bound=True)
 

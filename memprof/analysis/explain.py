@@ -133,7 +133,8 @@ def _device(snapshot: Snapshot, device: int, segments: list[Segment], top: int,
         at_peak=describe.live(peak),
         categories_inferred=labels is None,
         fragmentation=_fragmentation(result.peak, result.final),
-        ooms=[_oom(describe, m, trace, result, snapshot.settings) for m in result.ooms],
+        ooms=[_oom(describe, m, trace, result, snapshot.settings, snapshot.allowed.get(device))
+              for m in result.ooms],
         replay=_replay_summary(snapshot, result, segments, reserved, what_ifs, trace,
                                device_memory),
         timeline=Timeline(allocated, reserved, times),
@@ -327,10 +328,12 @@ def _fragmentation(peak: Moment, final: Moment) -> Fragmentation:
 
 
 def _oom(describe: _Describer, moment: Moment, trace: DeviceTrace, result: Replay,
-         settings: AllocatorSettings) -> Oom:
+         settings: AllocatorSettings, allowed: int | None) -> Oom:
     i = moment.index
     requested = int(trace.size[i])
+    # what the card had free, or less where the process was capped (a memory fraction)
     limit = moment.reserved + trace.device_free.get(i, 0)
+    limit = limit if allowed is None else min(limit, allowed)
     fits, expandable_reserved, short = unfragmented(trace, result, settings, i, limit)
     return Oom(
         event_index=i,

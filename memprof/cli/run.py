@@ -298,8 +298,9 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
             plot.send(timeline_panels(findings),
                       timeline_title(findings, shlex.join(run_command(target)[2:])),
                       folder / names["timeline"])
-        needed = need(any(d.ooms for d in findings.devices), len(meta["steps"]),
-                      recording.seconds) if need is not None else None
+        ooms = [o for d in findings.devices for o in d.ooms]
+        needed = need(bool(ooms), len(meta["steps"]), recording.seconds,
+                      ooms[0].limit_bytes if ooms else None) if need is not None else None
         facts = run_facts(recording, meta, target, launched, conf, needed)
         report = report_dict(findings, "run", facts)
         write_json(report, folder / names["report"])

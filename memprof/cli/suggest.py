@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from memprof.cli.options import flag
 from memprof.errors import MemprofError
+
+if TYPE_CHECKING:
+    from memprof.advise.source import Run
 
 
 def suggest(
@@ -37,9 +40,15 @@ def suggest(
         "--fit-batch", metavar="NAME", help="Find the largest value of the script's --NAME"
         " whose peak fits the budget, by re-running it (doubling, then bisection).",
         show_default=False)] = None,
+    predict: Annotated[bool, flag(
+        "--predict", help="For a run that ran out of memory where memprof run could not tell"
+        " what it needs (a real GPU, or --no-need): re-run its script on the virtual GPU as"
+        " the same card with the memory raised, write run.need into its report, and advise"
+        " from that re-run.")] = False,
     rerun_command: Annotated[str | None, typer.Option(
-        "--rerun-command", metavar="'SCRIPT ARGS'", help="What --verify and --fit-batch"
-        " re-run, from this folder: the script and its arguments as after `memprof run`."
+        "--rerun-command", metavar="'SCRIPT ARGS'", help="What --verify, --fit-batch and"
+        " --predict re-run, from this folder: the script and its arguments as after `memprof"
+        " run`."
         " Needed for a report that memprof run did not write here, for you (one handed"
         " over): its recorded command is never run unasked.", show_default=False)] = None,
     as_json: Annotated[bool, flag(
@@ -74,9 +83,9 @@ def suggest(
         chosen = parse_budget(budget)
     except ValueError as exc:
         raise MemprofError(str(exc)) from None
-    if rerun_command is not None and not (verify or fit_batch):
-        raise MemprofError("--rerun-command names what --verify or --fit-batch re-run: give"
-                           " one of them too")
+    if rerun_command is not None and not (verify or fit_batch or predict):
+        raise MemprofError("--rerun-command names what --verify, --fit-batch or --predict"
+                           " re-run: give one of them too")
     source = source if source is not None else newest_run(Path("reports"))
     if ctx.obj and ctx.obj.get("own_process") and is_snapshot(source):
         from memprof.supervised import supervise, time_limit
@@ -88,8 +97,10 @@ def suggest(
 
         check_writable(html, True)  # before any re-run
     run = load_run(source)
-    advice = advise(run, chosen, gpus)
     notes = Console(stderr=True, soft_wrap=True, highlight=False)
+    if predict:
+        run = _predicted(run, source, rerun_command, notes)
+    advice = advise(run, chosen, gpus)
     measured, batch = None, None
     if verify or fit_batch:
         from memprof.advise.rerun import Rerun, given_command
@@ -123,6 +134,24 @@ def suggest(
     fits = (advice.start.reserved <= chosen.bytes and not advice.run.lower_bound) \
         or plan_fits(advice, measured or {})
     raise typer.Exit(0 if fits else 1)
+
+
+def _predicted(run: Run, source: Path, rerun_command: str | None, notes: Console) -> Run:
+    """``--predict``: the run as advised from its re-run with the memory raised."""
+    from memprof.advise.predict import predict
+    from memprof.advise.rerun import Rerun, given_command
+    from memprof.advise.source import load_run
+
+    if not run.out_of_memory:
+        raise MemprofError(f"{run.path}: --predict tells what a run that ran out of memory"
+                           " needs; this run did not, so its peak is what it needs")
+    if not run.lower_bound:
+        notes.print("memprof: what the run needs is known already (its re-run with the memory"
+                    " raised): nothing to predict")
+        return run
+    given = None if rerun_command is None else given_command(rerun_command)
+    predict(run, Rerun.of(run, given))
+    return load_run(source)
 
 
 REPRODUCED = 0.05  # a re-run as recorded within this share of the recorded peak reproduces it

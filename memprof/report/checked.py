@@ -211,8 +211,9 @@ RUN = record(
                                 context_measured=FLAG)),
     need=optional(record(card_bytes=BYTES, context_bytes=BYTES, allocated_bytes=BYTES,
                          reserved_bytes=BYTES, total_bytes=BYTES, short_bytes=BYTES,
-                         unknown=TEXT, rerun=record(status=TEXT, optimizer_steps=COUNT,
-                                                    stopped_by=optional(TEXT)))),
+                         allowed_bytes=optional(BYTES), unknown=TEXT,
+                         rerun=record(status=TEXT, optimizer_steps=COUNT,
+                                      stopped_by=optional(TEXT)))),
     signature=optional(TEXT),
 )
 REPORT = record(

@@ -63,7 +63,8 @@ def render(findings: Findings, console: Console) -> None:
 LOWER_BOUND = ("\nThe recording ran out of memory, so its peak is a lower bound: the run never got"
                " past it, and a replay on a larger device fits only what ran. What it needs:"
                " `memprof run --virtual-gpu CARD` re-runs it with the memory raised (run.need"
-               " in its report.json).")
+               " in its report.json), and `memprof suggest RUN --predict` does for a run"
+               " on a real GPU.")
 
 
 def ranks_table(devices: list[DeviceFindings]) -> Table:

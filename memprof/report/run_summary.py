@@ -73,11 +73,13 @@ def need_line(need: dict[str, Any], card: str | None) -> Text:
         how += ", stopped when its time ran out: it may need more later"
     verdict = (f"{fb(need['short_bytes'])} short" if need["short_bytes"] else
                "it fits when the memory is laid out as predicted")
+    allowed = need.get("allowed_bytes")
+    capped = "" if allowed is None else f", where the run could reserve only {fb(allowed)}"
     return Text.assemble(
         ("Needs ", "bold"), (fb(need["total_bytes"]), "bold"),
         f" (predicted: {fb(need['reserved_bytes'])} reserved at the peak and"
         f" {fb(need['context_bytes'])} of CUDA context) on this {fb(need['card_bytes'])}"
-        f" {visible(card or 'card')}: ", (verdict, "bold"),
+        f" {visible(card or 'card')}{capped}: ", (verdict, "bold"),
         f". From the same script run again with the card's memory raised ({how}).")
 
 

@@ -172,6 +172,8 @@ class Snapshot:
     run_peak: dict[int, dict[str, int | None]] = field(default_factory=dict)
     # private-pool segments by address, those freed before the end too (a prediction's)
     segment_pools: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # the most the process may reserve (set_per_process_memory_fraction), where it was capped
+    allowed: dict[int, int] = field(default_factory=dict)
 
     @property
     def devices(self) -> list[int]:

@@ -346,6 +346,12 @@ def _memprof_extra(snapshot: Snapshot, extra: dict) -> None:
         raise NotASnapshot(f"{where}: 'segment_pools' is not a list of (segment address,"
                            " pool id) pairs")
     snapshot.segment_pools = {device: {addr: (pool[0], pool[1]) for addr, pool in pools}}
+    allowed = extra.get("allowed_bytes")
+    if allowed is not None:
+        if type(allowed) is not int or not 0 <= allowed < MAX_BYTES:
+            raise NotASnapshot(f"{where}: 'allowed_bytes' is {describe(allowed)}, not a byte"
+                               " count")
+        snapshot.allowed = {device: allowed}
 
 
 def _is_pool_id(pool: object) -> bool:

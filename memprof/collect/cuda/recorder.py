@@ -27,9 +27,13 @@ def record(target: Target, options: RunOptions) -> Recording:
     device = torch.cuda.current_device()
     snapshots = [s for s in (history.stop(), history.oom_snapshot) if s is not None]
     workspaces = blas_workspaces(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    capped = {} if fraction >= 1 else {  # as the caching allocator computes its cap
+        "allowed_bytes": int(fraction * torch.cuda.mem_get_info(device)[1])}
     for snapshot in snapshots:
         snapshot["memprof"] = {**labeller.labels(snapshot["device_traces"][device],
-                                                 workspaces=workspaces), "device": device}
+                                                 workspaces=workspaces), "device": device,
+                               **capped}
     facts = device_facts()
     return Recording(snapshots[0], outcome, f"cuda ({facts['name']})", False, seconds, facts,
                      history.oom_snapshot)

@@ -42,6 +42,9 @@ class Need:
     status: str  # how the re-run ended: completed, stopped, raised, ...
     optimizer_steps: int
     stopped_by: str | None
+    # what the process could reserve where less than the card less its context (the cap
+    # of set_per_process_memory_fraction, or memory other processes held); None: no less
+    allowed_bytes: int | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -50,13 +53,18 @@ class Need:
 
     @property
     def short_bytes(self) -> int:
-        return max(0, self.total_bytes - self.card_bytes)
+        """What the card (or the process's cap) lacks."""
+        short = self.total_bytes - self.card_bytes
+        if self.allowed_bytes is not None:
+            short = max(short, self.reserved_bytes - self.allowed_bytes)
+        return max(0, short)
 
     def as_dict(self) -> dict[str, Any]:
         """``run.need`` in report.json."""
         return {"card_bytes": self.card_bytes, "context_bytes": self.context_bytes,
                 "allocated_bytes": self.allocated_bytes, "reserved_bytes": self.reserved_bytes,
                 "total_bytes": self.total_bytes, "short_bytes": self.short_bytes,
+                "allowed_bytes": self.allowed_bytes,
                 "rerun": {"status": self.status, "optimizer_steps": self.optimizer_steps,
                           "stopped_by": self.stopped_by}}
 
@@ -70,14 +78,16 @@ class NeedCheck:
         self.target, self.card, self.conf, self.steps = target, card, conf, steps
         self.folder = folder / NEED_FOLDER
 
-    def __call__(self, ran_out: bool, steps_made: int, seconds: float) -> dict[str, Any] | None:
+    def __call__(self, ran_out: bool, steps_made: int, seconds: float,
+                 allowed: int | None) -> dict[str, Any] | None:
+        """``allowed``: the cap the process ran under (a memory fraction), if any."""
         if not ran_out:
             return None
         print(f"memprof: the run ran out of memory, so its peak is a lower bound; running it"
               f" again on the virtual {self.card.name} with its memory raised to tell what it"
               " needs (--no-need skips this)", file=sys.stderr)
         need = predict_need(self.target, self.card, self.conf, steps_made, self.steps, seconds,
-                            self.folder)
+                            self.folder, allowed=allowed)
         return need.as_dict() if isinstance(need, Need) else {"unknown": need}
 
 
@@ -91,16 +101,18 @@ def rerun_command(target: Target, card: Card, conf: str, steps: int, seconds: fl
 
 
 def predict_need(target: Target, card: Card, conf: str, steps_made: int,
-                 steps_asked: int | None, seconds_taken: float, folder: Path) -> Need | str:
-    """Re-run ``target`` on ``card`` with its memory raised, into run folder ``folder``, and
-    return what it needed, or why that could not be told (a one-line reason)."""
+                 steps_asked: int | None, seconds_taken: float, folder: Path,
+                 cwd: str | None = None, allowed: int | None = None) -> Need | str:
+    """Re-run ``target`` on ``card`` with its memory raised, from ``cwd`` (default: here)
+    into run folder ``folder``, and return what it needed (against ``allowed``, the cap the
+    run had, if any), or why that could not be told (a one-line reason)."""
     steps = steps_asked or steps_made + STEPS_PAST + 1
     seconds = max(MIN_SECONDS, SLOWER * seconds_taken)
     command = rerun_command(target, card, conf, steps, seconds, folder)
     try:
         done = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, errors="replace",
-                              timeout=seconds + 120, check=False)
+                              timeout=seconds + 120, check=False, cwd=cwd)
     except subprocess.TimeoutExpired:
         return f"the re-run with the memory raised did not end within {seconds + 120:g} s"
     try:
@@ -108,10 +120,10 @@ def predict_need(target: Target, card: Card, conf: str, steps_made: int,
     except (OSError, ValueError):
         last = done.stderr.strip().splitlines()[-1:] or ["no output"]
         return f"the re-run with the memory raised wrote no report ({last[0][:200]})"
-    return _need(report, card)
+    return _need(report, card, allowed)
 
 
-def _need(report: dict[str, Any], card: Card) -> Need | str:
+def _need(report: dict[str, Any], card: Card, allowed: int | None) -> Need | str:
     run = report["run"]
     device = report["devices"][0] if report["devices"] else None
     if device is None:
@@ -121,4 +133,5 @@ def _need(report: dict[str, Any], card: Card) -> Need | str:
                 " more than any one GPU has")
     return Need(card.total_bytes, card.context_bytes, device["peak"]["allocated_bytes"],
                 device["peak"]["reserved_bytes"], run["exit"]["status"],
-                run["optimizer_steps"], run.get("stopped_by"))
+                run["optimizer_steps"], run.get("stopped_by"),
+                allowed if allowed is not None and allowed < card.usable_bytes else None)

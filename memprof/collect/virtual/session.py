@@ -44,6 +44,8 @@ def record(target: Target, options: RunOptions, card: Card, announce: str | None
         # on the rank's own card, cuda:LOCAL_RANK, as its snapshot on a node says
         snapshot, _ = predict_cuda_layout(recorder.snapshot(), settings,
                                           gpu.recorder.placer.layout(index))
+    if gpu.recorder.allowed is not None:  # set_per_process_memory_fraction's cap
+        snapshot["memprof"]["allowed_bytes"] = gpu.recorder.allowed
     return Recording(snapshot, outcome, f"virtual {card.name}", True, took,
                      virtual_gpu=virtual_gpu_facts(card),
                      children=children.folders if children is not None else [])
