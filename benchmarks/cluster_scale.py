@@ -51,7 +51,7 @@ def main() -> None:
             measured = run(argv, codes=(0, 1))  # 1: a rank ran out of memory
             summary = json.loads((out / "cluster.json").read_text())
             worst = summary["worst_rank"]
-            state = json.loads((out / f"report-rank{worst}.json").read_text())
+            state = json.loads((out / f"rank-{worst}" / "report.json").read_text())
         p = parameters(preset)
         held = state["devices"][0]["categories_requested"]
         processes = len(summary["ranks_run"]) + 1  # and the launcher

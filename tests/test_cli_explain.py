@@ -115,7 +115,8 @@ def test_a_run_folder_shows_every_rank_and_the_imbalance(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
     for rank, name in enumerate(("MAGMA27", "bcrafton")):
-        (folder / f"snapshot-rank{rank}.pickle").write_bytes(fixture(name).read_bytes())
+        (folder / f"rank-{rank}").mkdir()
+        (folder / f"rank-{rank}" / "snapshot.pickle").write_bytes(fixture(name).read_bytes())
     result = memprof("explain", str(folder), "--json", "-o", "-", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

@@ -505,10 +505,10 @@ def test_torchrun_gives_one_report_per_rank(runs: dict[str, Future[Any]]) -> Non
     assert result.code == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}/2: mean final loss" in result.stdout
-        data = report(out, f"report-rank{rank}.json")
+        data = report(out / f"rank-{rank}")
         assert (data["run"]["rank"], data["run"]["world_size"]) == (rank, 2)
         assert data["run"]["exit"]["status"] == "completed"
-        assert (out / f"snapshot-rank{rank}.pickle").is_file()
+        assert (out / f"rank-{rank}" / "snapshot.pickle").is_file()
     assert not (out / "report.json").exists()
 
 
@@ -708,7 +708,7 @@ def test_each_rank_has_a_page_and_explain_shows_the_ranks(runs: dict[str, Future
     result, out = runs["ddp"].result()
     assert result.code == 0, result.stderr[-3000:]
     for rank in (0, 1):
-        page = page_data(out / f"report-rank{rank}.html")
+        page = page_data(out / f"rank-{rank}" / "report.html")
         assert page["run"]["rank"] == rank and len(page["devices"]) == 1
     shown = CliRunner().invoke(app, ["explain", str(out), "--html", str(tmp_path / "p.html")])
     assert shown.exit_code == 0, shown.output

@@ -379,7 +379,7 @@ def fsdp2_rank_holds_its_shard(out: Path, stdout: str, rank: int, world: int) ->
     its own rows, its gradients and what it gathered."""
     units = [shapes()[i:i + 2] for i in range(0, len(shapes()), 2)]  # (weight, bias) each
     assert f"rank {rank}/{world}: loss" in stdout
-    data = report(out, f"report-rank{rank}.json")
+    data = report(out / f"rank-{rank}")
     assert (data["run"]["rank"], data["run"]["world_size"]) == (rank, world)
     device = data["devices"][0]
     assert device["device"] == rank  # one node: the rank's card is cuda:LOCAL_RANK
@@ -407,7 +407,7 @@ def test_every_fsdp2_rank_holds_its_shard_and_the_answer_comes_first(
     world = 3
     for rank in range(world):
         fsdp2_rank_holds_its_shard(out, result.stdout, rank, world)
-    worst = max(report(out, f"report-rank{r}.json")["devices"][0]["peak"]["reserved_bytes"]
+    worst = max(report(out / f"rank-{r}")["devices"][0]["peak"]["reserved_bytes"]
                 for r in range(world))
     lines = result.stderr.splitlines()
     answer = next(i for i, line in enumerate(lines) if line.startswith("fits: worst rank"))
@@ -416,8 +416,8 @@ def test_every_fsdp2_rank_holds_its_shard_and_the_answer_comes_first(
     assert (summary["schema"], summary["world_size"], summary["nodes"], summary["answer"],
             summary["worst_rank"]) == ("memprof.cluster/1", world, 1, lines[answer], 0)
     assert [(r["rank"], r["report"], r["peak_reserved_bytes"]) for r in summary["ranks"]] == [
-        (r, f"report-rank{r}.json",
-         report(out, f"report-rank{r}.json")["devices"][0]["peak"]["reserved_bytes"])
+        (r, f"rank-{r}/report.json",
+         report(out / f"rank-{r}")["devices"][0]["peak"]["reserved_bytes"])
         for r in range(world)]
     assert "were not run" not in result.stderr  # every rank ran
     # what it cannot see, it says: on the console and in the file
@@ -434,8 +434,8 @@ def test_some_ranks_of_a_world_of_eight_run_alone_with_their_own_shards(
         fsdp2_rank_holds_its_shard(out, result.stdout, rank, 8)
     summary = report(out, "cluster.json")
     assert (summary["world_size"], summary["ranks_run"]) == (8, [0, 5, 7])
-    assert sorted(p.name for p in out.glob("report-rank*.json")) == [
-        "report-rank0.json", "report-rank5.json", "report-rank7.json"]
+    # a run folder per rank run, and no other
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["rank-0", "rank-5", "rank-7"]
     assert "ranks 0, 5, 7 of 8 (--ranks)" in result.stderr
     assert "5 of the world's 8 ranks were not run" in result.stderr
     # every rank reads a loss's value: memprof says what that value is once for them all
@@ -448,7 +448,7 @@ def test_a_run_that_ends_inside_a_forward_holds_every_shard_and_its_gathered_uni
     assert result.code == 1 and "stopped inside the forward" in result.stderr
     world = 2
     for rank in range(world):
-        device = report(out, f"report-rank{rank}.json")["devices"][0]
+        device = report(out / f"rank-{rank}")["devices"][0]
         at_peak = device["categories_requested"]
         # every unit's shard is a parameter, the last unit's (it never ran) included
         assert at_peak["parameters"] == F32 * sum(
@@ -499,7 +499,7 @@ def test_ddp_under_torchrun_holds_the_full_model_per_rank(runs: dict[str, Future
     assert result.code == 0, result.stderr[-3000:]
     params = sum(numel(s, s[0]) for s in shapes())
     for rank in (0, 1):
-        data = report(out, f"report-rank{rank}.json")
+        data = report(out / f"rank-{rank}")
         at_peak = data["devices"][0]["categories_requested"]
         assert data["run"]["virtual_gpu"]["spec"] == "H100 80GB"
         assert (at_peak["parameters"], at_peak["gradients"], at_peak["optimizer_state"]) == (
@@ -524,14 +524,14 @@ def test_check_and_suggest_read_the_worst_rank_of_a_run_folder(
     checked = memprof_here(out.parent, "check", out, "--baseline", out)
     assert checked.code == 0, checked.stderr
     suggested = memprof_here(out.parent, "suggest", out, "--budget", "80GB")
-    assert suggested.code == 0 and "report-rank0.json" in suggested.stdout, suggested.stderr
+    assert suggested.code == 0 and "rank-0/report.json" in suggested.stdout, suggested.stderr
 
 
 def test_the_answer_names_the_worst_rank_or_the_first_out_of_memory() -> None:
     from memprof.report.cluster import Cluster, RankPeak, answer
 
     gib = 1 << 30
-    ranks = [RankPeak(r, Path(f"report-rank{r}.json"), reserved=(3 + r % 2) * gib,
+    ranks = [RankPeak(r, Path(f"rank-{r}/report.json"), reserved=(3 + r % 2) * gib,
                       context=gib // 2, total=80 * gib, steps=4) for r in range(4)]
     assert answer(Cluster(ranks, "H100")) == "fits: worst rank 4.50 GiB of 80.00 GiB (rank 1)"
     error = ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 3 has a"

@@ -38,8 +38,9 @@ class Run:
 
 def newest_run(reports: Path) -> Path:
     """The newest run folder under ``reports`` (the default SOURCE)."""
-    folders = [p.parent for pattern in (REPORT_NAME, "report-rank0.json")
-               for p in reports.glob(f"*/{pattern}")] if reports.is_dir() else []
+    folders = [*(p.parent for p in reports.glob(f"*/{REPORT_NAME}")),  # a run's
+               *(p.parent.parent for p in reports.glob(f"*/rank-*/{REPORT_NAME}"))  # a cluster's
+               ] if reports.is_dir() else []
     if not folders:
         raise MemprofError(f"no run folder under {reports}/: profile a run first"
                            " (memprof run train.py) or give SOURCE")

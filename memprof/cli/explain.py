@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -155,18 +154,19 @@ def _is_dir(path: Path) -> bool:
 
 def _snapshots(path: Path, is_dir: bool) -> list[tuple[int | None, Path]]:
     """The snapshot file, or the snapshots of a run folder with their ranks."""
+    from memprof.report.run_folder import rank_of
+
     if not is_dir:
         return [(None, path)]
     try:
-        found = sorted(path.glob("snapshot*.pickle"))
+        found = sorted(path.glob("snapshot*.pickle")) or sorted(  # a cluster's: per rank
+            p for p in path.glob("rank-*/snapshot.pickle") if rank_of(p.parent) is not None)
     except OSError as exc:
         raise MemprofError(f"{path}: cannot list the folder ({exc.strerror})") from None
     if not found:
         raise MemprofError(f"{path}: a directory with no snapshot*.pickle; pass a snapshot file"
                            " or a memprof run folder")
-    ranks = [re.search(r"-rank(\d+)", p.name) for p in found]
-    return sorted(((int(m.group(1)) if m else None, p) for m, p in zip(ranks, found, strict=True)),
-                  key=lambda rp: (rp[0] or 0))
+    return sorted(((rank_of(p.parent), p) for p in found), key=lambda rp: (rp[0] or 0))
 
 
 def _settings(conf: str, option: str, capped: bool) -> AllocatorSettings:

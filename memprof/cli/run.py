@@ -161,7 +161,7 @@ def run(
     from memprof.collect.virtual.need import NeedCheck
     from memprof.heap import frozen
     from memprof.report.background_plot import BackgroundPlot
-    from memprof.report.run_folder import claim, file_names, run_folder
+    from memprof.report.run_folder import FILE_NAMES, claim, rank_folder, run_folder
 
     if device not in ("auto", "cpu", "cuda"):
         raise MemprofError(f"--device {device!r}: expected auto, cpu or cuda")
@@ -195,8 +195,9 @@ def run(
         raise MemprofError("--ranks chooses among the ranks of --nproc-per-node; give"
                            " --nproc-per-node N too")
     rank, world = torchrun_rank()
-    folder = run_folder(target.stem, output, world).absolute()  # the script may chdir
-    names = file_names(rank, world)
+    # the script may chdir; each rank of a distributed run writes a run folder of its own
+    folder = rank_folder(run_folder(target.stem, output, world).absolute(), rank, world)
+    names = FILE_NAMES
     if child:  # its folder is claimed once it has something to write
         child_signals()
     else:
@@ -328,10 +329,11 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
                                            bool(findings.devices))))
         writing.result()
     if speaks:
-        written = ", ".join(sorted(p.name for p in folder.iterdir() if p.name[0] != "."))
+        run = folder.parent if world > 1 else folder  # the ranks' folders are inside
+        written = ", ".join(sorted(p.name for p in run.iterdir() if p.name[0] != "."))
         notes.print()
-        notes.print(plain(f"Run folder: {folder}/ ({written})"))
-        shown = folder if world > 1 else folder / names["snapshot"]
+        notes.print(plain(f"Run folder: {run}/ ({written})"))
+        shown = run if world > 1 else folder / names["snapshot"]
         if children and not findings.devices:  # the children's memory, not the parent's
             shown = children[0] / names["snapshot"]
         notes.print(plain(f"Next: memprof explain {shown}"))

@@ -19,7 +19,7 @@ from memprof.collect.virtual.cards import Card, card_args
 from memprof.errors import MemprofError
 from memprof.report.cluster import cluster_summary, read_cluster, render_cluster
 from memprof.report.json import write_json
-from memprof.report.run_folder import claim, file_names, run_folder
+from memprof.report.run_folder import FILE_NAMES, claim, rank_folder, run_folder
 from memprof.report.text import plain
 
 CLUSTER_FILE = "cluster.json"  # the whole run's summary, beside the ranks' reports
@@ -44,8 +44,9 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     ``ranks``, each rank under ``memprof run OPTIONS`` on a virtual ``card`` (None: a GPU);
     print the summary; the exit code."""
     folder = run_folder(stem, output, 1).absolute()
-    for rank in range(ranks.world_size):  # every rank's files, before any rank starts
-        claim(folder, file_names(rank, ranks.world_size), force)
+    running = ranks.chosen if ranks.chosen is not None else range(ranks.world_size)
+    for rank in running:  # every rank's folder, before any rank starts
+        claim(rank_folder(folder, rank, ranks.world_size), FILE_NAMES, force)
     claim(folder, {"report": CLUSTER_FILE}, force)
     notes = Console(stderr=True, soft_wrap=True, highlight=False)
     world = ranks.world_size
@@ -65,7 +66,7 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
                       f" {cluster.card or 'the GPUs'}"))
     render_cluster(cluster, notes)
     notes.print()
-    notes.print(plain(f"Run folder: {folder}/ (a report and a snapshot per rank, and"
+    notes.print(plain(f"Run folder: {folder}/ (rank-K/, a run folder per rank, and"
                       f" {CLUSTER_FILE})"))
     notes.print(plain(f"Next: memprof explain {folder}"))
     failed = [e for e in exits if e.code and not e.stopped]

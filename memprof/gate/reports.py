@@ -35,7 +35,7 @@ class Report:
 
 def report_path(source: Path) -> Path:
     """The ``report.json`` that ``source`` (a run folder or the file itself) names; in a
-    folder of ranks (``report-rankK.json``), the worst rank's (``report/cluster.py``)."""
+    folder of ranks (``rank-K/report.json``), the worst rank's (``report/cluster.py``)."""
     if not source.is_dir():
         return source
     if not (source / REPORT_NAME).exists():

@@ -1,6 +1,6 @@
 """The ranks of a distributed run read from their reports: the answer first, then each rank.
 
-    cluster = read_cluster(folder)       # report-rank*.json, each rank's own report
+    cluster = read_cluster(folder)       # rank-K/report.json, each rank's own report
     render_cluster(cluster, console)     # "fits: worst rank 1.20 GiB of 80.00 GiB (rank 0)"
     worst_report(folder)                 # the report check and suggest read in such a folder
 
@@ -12,7 +12,6 @@ one whose card holds the most. A rank that ran out of memory answers instead: th
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from memprof.report.run_folder import file_names
+from memprof.report.run_folder import FILE_NAMES, rank_folder, rank_of
 from memprof.report.text import visible
 from memprof.report.units import format_bytes as fb
-
-_RANK_REPORT = re.compile(r"report-rank(\d+)\.json")
 
 
 @dataclass(frozen=True)
@@ -72,12 +69,9 @@ class Cluster:
 
 
 def rank_reports(folder: Path) -> dict[int, Path]:
-    """The ranks' reports in a run folder, by rank."""
-    found = {}
-    for path in folder.glob("report-rank*.json"):
-        match = _RANK_REPORT.fullmatch(path.name)
-        if match:
-            found[int(match.group(1))] = path
+    """The ranks' reports in a run folder (``rank-K/report.json``), by rank."""
+    found = {rank: path for path in folder.glob(f"rank-*/{FILE_NAMES['report']}")
+             if (rank := rank_of(path.parent)) is not None}
     return dict(sorted(found.items()))
 
 
@@ -88,8 +82,8 @@ def read_cluster(folder: Path, world_size: int | None = None,
     if world_size is None:
         reports = rank_reports(folder)
     else:  # a world of one writes report.json, as a single run does
-        reports = {rank: path for rank in range(world_size)
-                   if (path := folder / file_names(rank, world_size)["report"]).is_file()}
+        reports = {rank: path for rank in range(world_size) if (path := rank_folder(
+            folder, rank, world_size) / FILE_NAMES["report"]).is_file()}
     ranks = list(reports) if world_size is None else running or range(world_size)
     peaks = [_peak(rank, reports[rank]) if rank in reports else RankPeak(rank, None)
              for rank in ranks]
@@ -135,7 +129,8 @@ def cluster_summary(cluster: Cluster, nodes: int, per_node: int) -> dict[str, An
         "reserved_spread_bytes": spread, "not_counted": [NOT_COUNTED],
         "ranks_run": [r.rank for r in cluster.ranks],
         "ranks": [{
-            "rank": r.rank, "report": r.report.name if r.report is not None else None,
+            "rank": r.rank,
+            "report": _relative(r.report) if r.report is not None else None,
             "peak_allocated_bytes": r.allocated if r.report is not None else None,
             "peak_reserved_bytes": r.reserved if r.report is not None else None,
             "on_card_bytes": r.on_card if r.report is not None else None,
@@ -143,6 +138,13 @@ def cluster_summary(cluster: Cluster, nodes: int, per_node: int) -> dict[str, An
             "out_of_memory": r.out_of_memory,
             "ended": (r.exit or {}).get("status") if r.report is not None else None}
             for r in cluster.ranks]}
+
+
+def _relative(report: Path) -> str:
+    """A rank's report as the run folder names it: ``rank-K/report.json`` (a world of one:
+    ``report.json``)."""
+    inside = rank_of(report.parent) is not None
+    return f"{report.parent.name}/{report.name}" if inside else report.name
 
 
 def worst_report(folder: Path) -> Path | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,23 @@ def run_folder(stem: str, output: Path | None, world_size: int, base: Path = Pat
     return folder
 
 
-def file_names(rank: int, world_size: int) -> dict[str, str]:
-    """The files of one process; ranks get their number in the names."""
-    tag = f"-rank{rank}" if world_size > 1 else ""
-    return {key: f"{stem}{tag}.{ext}" for key, stem, ext in
-            (("report", "report", "json"), ("page", "report", "html"),
-             ("snapshot", "snapshot", "pickle"), ("timeline", "timeline", "png"),
-             ("oom-snapshot", "oom-snapshot", "pickle"), ("profile", "profile", "json"))}
+# the files of one process's run folder
+FILE_NAMES = {"report": "report.json", "page": "report.html", "snapshot": "snapshot.pickle",
+              "timeline": "timeline.png", "oom-snapshot": "oom-snapshot.pickle",
+              "profile": "profile.json"}
+RANK_FOLDER = re.compile(r"rank-(\d+)")
+
+
+def rank_folder(folder: Path, rank: int, world_size: int) -> Path:
+    """Where one rank of a distributed run writes: a run folder of its own, ``rank-K/``
+    inside the run's (a world of one: the run's folder itself)."""
+    return folder / f"rank-{rank}" if world_size > 1 else folder
+
+
+def rank_of(folder: Path) -> int | None:
+    """The rank whose folder ``folder`` is (``rank-K``), or None."""
+    match = RANK_FOLDER.fullmatch(folder.name)
+    return int(match.group(1)) if match else None
 
 
 def claim(folder: Path, names: dict[str, str], force: bool) -> None:
