@@ -527,6 +527,26 @@ def test_check_and_suggest_read_the_worst_rank_of_a_run_folder(
     assert suggested.code == 0 and "rank-0/report.json" in suggested.stdout, suggested.stderr
 
 
+def test_a_rank_is_re_run_with_its_world(runs: dict[str, Future[Any]]) -> None:
+    """suggest --verify and --fit-batch re-run the worst rank of a cluster as a rank of its
+    world (the world launched again, on virtual cards that rank alone), not as a process of
+    its own that would hold the whole model."""
+    from memprof.advise.peak import peak_of
+    from memprof.advise.rerun import Rank, Rerun
+    from memprof.advise.source import load_run
+    from memprof.trace.model import PARAMETERS
+
+    _, out = runs["fsdp_cluster"].result()
+    run = load_run(out)  # the worst rank's
+    rerun = Rerun.of(run)
+    assert rerun.rank == Rank(run.facts["rank"], 1, 3)
+    measured, recorded = rerun.peak(), peak_of(run.device)
+    assert (measured.at_peak, measured.at_step, measured.reserved) == (
+        recorded.at_peak, recorded.at_step, recorded.reserved)
+    whole = F32 * sum(numel(s, s[0]) for s in shapes())
+    assert measured.at_peak[PARAMETERS] < whole  # a third of it, padded
+
+
 def test_the_answer_names_the_worst_rank_or_the_first_out_of_memory() -> None:
     from memprof.report.cluster import Cluster, RankPeak, answer
 

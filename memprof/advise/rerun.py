@@ -8,6 +8,7 @@ original, stopped after a few optimizer steps, from the folder it ran from.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -37,6 +38,7 @@ class Rerun:
     steps: int | None
     alloc_conf: str
     cwd: str | None = None  # the folder it ran from (None: the current one)
+    rank: Rank | None = None  # a rank of a distributed run: the world is launched again
 
     @classmethod
     def of(cls, run: Run, given: list[str] | None = None) -> Rerun:
@@ -61,7 +63,7 @@ class Rerun:
         if _bad_conf(conf):
             raise MemprofError(f"{run.path}: run.allocator_conf is not allocator settings")
         cwd = facts.get("cwd") if given is None else None
-        rerun = cls(given or recorded, where, _steps_to_peak(run), conf, cwd)
+        rerun = cls(given or recorded, where, _steps_to_peak(run), conf, cwd, _rank(run, where))
         if rerun.target[0] not in ("-m", "-c") and not Path(cwd or ".", rerun.script).is_file():
             where_from = f"from {cwd}, where it ran" if cwd else \
                 "from here (run memprof suggest in the folder memprof run ran in)"
@@ -80,10 +82,12 @@ class Rerun:
             out = Path(scratch) / "run"
             args = ["-m", "memprof", "run", "-o", str(out), "--no-timeline", "--no-need",
                     *self.where, *(["--steps", str(self.steps)] if self.steps else []),
-                    *(["--alloc-conf", conf] if conf else []), *target]
+                    *(["--alloc-conf", conf] if conf else []),
+                    *(self.rank.options(self.where) if self.rank else []), *target]
             env = {**os.environ, "MEMPROF_APPLY": json.dumps(apply or {})}
             done = warm.run(args, self.cwd or os.getcwd(), env)
-            report = out / "report.json"
+            report = (out if self.rank is None else out / f"rank-{self.rank.rank}") \
+                / "report.json"
             if not report.is_file():
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 raise MemprofError(f"re-running {' '.join(target)} failed: {_gist(last)}")
@@ -124,6 +128,47 @@ class Rerun:
     @property
     def args(self) -> list[str]:
         return self.target[self.target.index(self.script) + 1:]
+
+
+@dataclass(frozen=True)
+class Rank:
+    """A rank of a distributed run, to re-run with its world: ``nodes`` x ``per_node``."""
+
+    rank: int
+    nodes: int
+    per_node: int
+
+    def options(self, where: list[str]) -> list[str]:
+        """The ``memprof run`` options that launch the world again: on virtual cards this
+        rank alone (``--ranks``), on GPUs every rank."""
+        virtual = where[0] == "--virtual-gpu"
+        return ["--nnodes", str(self.nodes), "--nproc-per-node", str(self.per_node),
+                *(["--ranks", str(self.rank)] if virtual else [])]
+
+
+MAX_GPU_RANKS = 64  # a GPU re-run starts every rank on this machine
+
+
+def _rank(run: Run, where: list[str]) -> Rank | None:
+    """The rank ``run`` is of a distributed run, and its layout (from the ``cluster.json``
+    beside its folder, else one node), or None for a single process."""
+    from memprof.cli.run_cluster import CLUSTER_FILE
+
+    world, rank = run.facts.get("world_size") or 1, run.facts.get("rank") or 0
+    if world == 1:
+        return None
+    nodes, per_node = 1, world
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+        layout = json.loads((run.path.parent.parent / CLUSTER_FILE).read_text())
+        if layout["nodes"] * layout["ranks_per_node"] == world:
+            nodes, per_node = int(layout["nodes"]), int(layout["ranks_per_node"])
+    if where[0] != "--virtual-gpu" and (nodes > 1 or world > MAX_GPU_RANKS):
+        raise MemprofError(f"{run.path}: rank {rank} of {nodes} node(s) x {per_node} on GPUs:"
+                           " re-running it starts every rank on this machine, which takes one"
+                           " node; re-run it on virtual cards (memprof run --virtual-gpu)")
+    if not 0 <= rank < world:
+        raise MemprofError(f"{run.path}: run.rank {rank} is not a rank of its world of {world}")
+    return Rank(rank, nodes, per_node)
 
 
 def _steps_to_peak(run: Run) -> int | None:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 KEY_BYTES = 32
-SIGNED = ("command", "cwd", "virtual_gpu", "predicted", "allocator_conf", "optimizer_steps")
+SIGNED = ("command", "cwd", "virtual_gpu", "predicted", "allocator_conf", "optimizer_steps",
+          "world_size", "rank")
 
 
 def key_path() -> Path:
