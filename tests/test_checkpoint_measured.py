@@ -4,6 +4,7 @@ the checkpointing remedy built from it (``advise/checkpointing.py``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -116,3 +117,46 @@ def test_verify_checkpoints_every_class_it_is_given():
         model(torch.randn(B, D)).sum().backward()
         optimizer.step()
     assert recorder.snapshot()["memprof"]["model"]["checkpointed"] == ["Mlp"]
+
+
+def _saved_beside(given: torch.Tensor, compute: Callable[[], torch.Tensor]
+                  ) -> tuple[torch.Tensor, list[int]]:
+    """``compute()``, and the bytes of each storage autograd saved that is not ``given``'s."""
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() != given.untyped_storage().data_ptr():
+            saved.append(t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return compute(), saved
+
+
+def test_verify_chunks_a_vocabularys_cross_entropy_to_the_same_loss_and_gradients():
+    """``{"chunked_loss": 8}`` (``suggest --verify``): the same loss and gradients, mean or
+    sum, ignored rows included, with one chunk's log-probabilities saved at a time (the
+    rest recomputed in backward); a loss over fewer classes runs as written."""
+    import torch.nn.functional as F
+
+    from memprof.collect.launch.apply import applied
+
+    torch.manual_seed(0)
+    rows, classes = 64, 2048
+    target = torch.randint(0, classes, (rows,))
+    target[::5] = -100  # ignored rows
+    for reduction in ("mean", "sum"):
+        logits = torch.randn(rows, classes, requires_grad=True)
+        expected = F.cross_entropy(logits, target, reduction=reduction)
+        (want,) = torch.autograd.grad(expected, logits)
+        with applied({"chunked_loss": 8}):
+            loss, saved = _saved_beside(logits, lambda: F.cross_entropy(
+                logits, target, reduction=reduction))  # noqa: B023 (called at once)
+        (got,) = torch.autograd.grad(loss, logits)
+        assert torch.allclose(loss, expected, rtol=1e-5) and torch.allclose(got, want, atol=1e-7)
+        # no N x V log-probabilities kept from the forward: the chunks keep views of their
+        # input, and recompute one chunk's at a time in backward
+        assert max(saved, default=0) < rows * classes * 4 // 8
+    small = torch.randn(8, 10, requires_grad=True)
+    with applied({"chunked_loss": 8}):
+        assert F.cross_entropy(small, torch.zeros(8, dtype=torch.long)).grad_fn.name() \
+            == "NllLossBackward0"  # as written

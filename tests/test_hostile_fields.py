@@ -15,7 +15,7 @@ import pytest
 from memprof.analysis.explain import explain
 from memprof.errors import MemprofError
 from memprof.report.files import write_atomic
-from memprof.report.run_folder import claim, file_names
+from memprof.report.run_folder import FILE_NAMES, claim
 from memprof.trace.load import load_snapshot
 from memprof.trace.normalize import NotASnapshot, normalize
 from tests.test_hostile_cli import MIB, _snapshot
@@ -150,7 +150,7 @@ def test_a_pickle_of_shared_blocks_is_refused_by_size(tmp_path):
 
 
 def test_two_runs_given_one_folder_cannot_both_claim_it(tmp_path):
-    folder, names = tmp_path / "run", file_names(0, 1)
+    folder, names = tmp_path / "run", FILE_NAMES
     claim(folder, names, force=False)
     with pytest.raises(MemprofError, match="another memprof run is writing there"):
         claim(folder, names, force=False)

@@ -5,8 +5,9 @@ passes run with grad enabled, and ``zero_grad(set_to_none=True)`` where gradient
 zeroed and kept through the next forward pass.
 
 Each saves bytes alive at the peak only: the tagged activations (``report.json``'s
-``tagged``) or the gradients at the activation moment. None can be applied by
-``--verify`` to an unmodified script, so all are estimates.
+``tagged``) or the gradients at the activation moment. ``--verify`` measures the chunked
+loss (it chunks ``F.cross_entropy`` itself, not the output layer); the others are
+estimates.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def _chunked_loss(peak: Peak, ctx: Context) -> list[Remedy]:
         "rows, labels = hidden.flatten(0, -2), targets.flatten()\n"
         "loss = sum(torch.utils.checkpoint.checkpoint(chunk_loss, h, t, use_reentrant=False)\n"
         f"           for h, t in zip(rows.chunk({LOSS_CHUNKS}), labels.chunk({LOSS_CHUNKS})))"
-        " / labels.numel()")]
+        " / labels.numel()",
+        {"chunked_loss": LOSS_CHUNKS})]  # --verify chunks the loss alone, not the head
 
 
 def _no_grad(peak: Peak, ctx: Context) -> list[Remedy]:

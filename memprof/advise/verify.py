@@ -86,7 +86,8 @@ def _run(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None) -> Pe
     apply: dict[str, Any] = {}
     args, conf = None, None
     for spec in specs:
-        apply.update({k: v for k, v in spec.items() if k in ("autocast", "checkpoint")})
+        apply.update({k: v for k, v in spec.items()
+                      if k in ("autocast", "checkpoint", "chunked_loss")})
         if "alloc_conf" in spec:
             conf = ",".join(filter(None, (rerun.alloc_conf, spec["alloc_conf"])))
         if "micro_batch" in spec and batch_arg is not None:

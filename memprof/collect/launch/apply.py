@@ -5,7 +5,10 @@ module call (the forward pass) under CUDA autocast (with ``"autocast_device": "c
 CPU's: a CPU recording's tensors stand in for CUDA's); ``{"checkpoint": "Block"}`` (or a
 list of class names) runs every module of class ``Block`` under activation checkpointing
 (from its class's first forward on: the first call of the first instance runs as written,
-and so do the calls the script checkpoints itself).
+and so do the calls the script checkpoints itself); ``{"chunked_loss": 8}`` computes each
+``F.cross_entropy`` over ``MIN_CLASSES`` classes or more that backward will differentiate in
+8 chunks of rows, each checkpointed, so that one chunk's log-probabilities are saved at a
+time (the same loss: summed over the chunks, then divided as the reduction asks).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +26,8 @@ import torch
 from memprof.collect.hooks.checkpointed import is_checkpoint, module_caller
 
 ENV = "MEMPROF_APPLY"
+MIN_CLASSES = 1024  # a vocabulary: where a loss's log-probabilities weigh (run.model.loss)
+MAX_CHUNKS = 1024
 
 
 def requested() -> dict[str, Any]:
@@ -43,6 +49,9 @@ def applied(asked: dict[str, Any]) -> Iterator[None]:
         if (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
                 and device in ("cuda", "cpu")):
             stack.enter_context(_autocast_forward(getattr(torch, dtype), device))
+        chunks = asked.get("chunked_loss")
+        if type(chunks) is int and 1 < chunks <= MAX_CHUNKS:
+            stack.enter_context(_chunked_cross_entropy(chunks))
         blocks = asked.get("checkpoint")
         blocks = [blocks] if isinstance(blocks, str) else blocks
         if isinstance(blocks, list) and all(isinstance(b, str) for b in blocks):
@@ -111,3 +120,42 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
             return forward(self, *args, **kwargs)
         return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
     return run
+
+
+@contextlib.contextmanager
+def _chunked_cross_entropy(chunks: int) -> Iterator[None]:
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    original = F.cross_entropy
+    # torch's own cross_entropy hands a tensor subclass's call back to the module's
+    # cross_entropy, this one: inside a chunk, it is the original's
+    chunk = threading.local()
+
+    def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: Any = None,
+                      size_average: Any = None, ignore_index: int = -100, reduce: Any = None,
+                      reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+        plain = (weight, size_average, reduce) == (None, None, None) and not label_smoothing
+        if getattr(chunk, "running", False) or not (
+                plain and torch.is_grad_enabled() and input.requires_grad and input.dim() == 2
+                and input.shape[1] >= MIN_CLASSES and reduction in ("mean", "sum")
+                and target.dim() == 1 and target.dtype == torch.long):
+            return original(input, target, weight, size_average, ignore_index, reduce,
+                            reduction, label_smoothing)
+
+        def summed(rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            chunk.running = True
+            try:
+                return original(rows, targets, ignore_index=ignore_index, reduction="sum")
+            finally:
+                chunk.running = False
+        total = torch.stack([checkpoint(summed, rows, targets, use_reentrant=False)
+                             for rows, targets in zip(input.chunk(chunks), target.chunk(chunks),
+                                                      strict=True)]).sum()
+        return total if reduction == "sum" else total / (target != ignore_index).sum()
+
+    F.cross_entropy = cross_entropy
+    try:
+        yield
+    finally:
+        F.cross_entropy = original
