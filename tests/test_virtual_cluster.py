@@ -574,6 +574,41 @@ def test_each_rank_gets_torchruns_environment() -> None:
         "GROUP_RANK": "1", "MASTER_PORT": "29400"}
 
 
+RANK_SPAN = """\
+import os, sys, time
+start, failing = time.monotonic(), os.environ["RANK"] == "1" and sys.argv[2] != "0"
+time.sleep(0 if failing else 0.5)
+with open(os.path.join(sys.argv[1], os.environ["RANK"]), "w") as f:
+    f.write(f"{start} {time.monotonic()}")
+sys.exit(int(sys.argv[2]) if failing else 0)
+"""
+
+
+def test_ranks_run_a_few_at_a_time_and_a_failure_starts_no_more(tmp_path: Path) -> None:
+    """Ranks on virtual cards wait for no other: ``at_once`` of them run at a time (the
+    machine's cores, as its memory allows); once one has failed, no more start."""
+    import sys
+
+    from memprof.collect.launch.ranks import RankExit, Ranks, run_ranks
+
+    def spans(code: int) -> tuple[list[RankExit], dict[int, tuple[float, float]]]:
+        folder = tmp_path / str(code)
+        folder.mkdir()
+        exits = run_ranks(Ranks(1, 4), [sys.executable, "-c", RANK_SPAN, str(folder),
+                                        str(code)], at_once=2)
+        return exits, {int(p.name): tuple(map(float, p.read_text().split()))
+                       for p in folder.iterdir()}
+
+    exits, ran = spans(0)
+    assert [(e.rank, e.code, e.stopped) for e in exits] == [(r, 0, False) for r in range(4)]
+    starts = sorted(start for start, _ in ran.values())
+    ends = sorted(end for _, end in ran.values())
+    assert starts[2] >= ends[0]  # the third rank starts once one of the first two ended
+    exits, ran = spans(3)  # rank 1 fails while rank 0 runs
+    assert sorted(ran) == [0, 1] and [(e.rank, e.code, e.stopped) for e in exits] == [
+        (0, 0, False), (1, 3, False), (2, 0, True), (3, 0, True)]
+
+
 @pytest.mark.parametrize("group", [(1, 4)], indirect=True)
 def test_sequence_parallel_shards_the_norms_activations_along_the_sequence(
         group: VirtualGpu) -> None:

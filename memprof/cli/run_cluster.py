@@ -8,6 +8,7 @@ whole run (``report/cluster.py``) and exits with the first failed rank's code.
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -55,10 +56,14 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     ranks_word = f"{world} rank{'s' * (world > 1)}"
     if ranks.chosen is not None:
         ranks_word = f"ranks {ranges(ranks.chosen)} of {world} (--ranks)"
+    # ranks on virtual cards wait for no other: as many at a time as the machine holds
+    at_once = _at_once() if card is not None else None
+    paced = f", {at_once} at a time" if at_once and at_once < len(running) else ""
     notes.print(plain(f"memprof: {ranks_word} ({layout}), each a process of its own on"
-                      f" {where} of its own"))
+                      f" {where} of its own{paced}"))
     exits = run_ranks(ranks, [sys.executable, "-m", "memprof", "run", "--cluster-rank",
-                              "--force", "--no-need", "-o", str(folder), *options, *command])
+                              "--force", "--no-need", "-o", str(folder), *options, *command],
+                      at_once)
     sys.stdout.flush()
     cluster = read_cluster(folder, world, ranks.chosen)
     write_json(cluster_summary(cluster, ranks.nodes, ranks.per_node), folder / CLUSTER_FILE)
@@ -71,6 +76,28 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     notes.print(plain(f"Next: memprof explain {folder}"))
     failed = [e for e in exits if e.code and not e.stopped]
     return _exit_code(failed[0].code) if failed else 0
+
+
+RANK_BYTES = 1 << 30  # a rank's process on a virtual card: torch, the script, the trace
+
+
+def _at_once() -> int:
+    """How many ranks on virtual cards run at once: one per core, as memory allows."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    return max(1, min(cores, _available() // RANK_BYTES))
+
+
+def _available() -> int:
+    """The memory this machine can give without swapping (Linux; elsewhere: unbounded)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62
 
 
 def ranges(ranks: tuple[int, ...]) -> str:

@@ -25,7 +25,8 @@ import subprocess
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from memprof.collect.notices import SAID_DIR
 from memprof.errors import MemprofError
@@ -90,8 +91,11 @@ def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
     return tuple(sorted(chosen))
 
 
-def run_ranks(ranks: Ranks, command: list[str]) -> list[RankExit]:
-    """Run ``command`` once per running rank, all at once; how each ended, in rank order."""
+def run_ranks(ranks: Ranks, command: list[str], at_once: int | None = None
+              ) -> list[RankExit]:
+    """Run ``command`` once per running rank, all at once or ``at_once`` at a time (ranks
+    on virtual cards wait for no other); how each ended, in rank order. Once a rank has
+    failed, the ranks not started yet are not started (``stopped``, exit code 0)."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -99,15 +103,16 @@ def run_ranks(ranks: Ranks, command: list[str]) -> list[RankExit]:
     said = tempfile.TemporaryDirectory(prefix="memprof-said-")  # a note, once for all ranks
     base = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             SAID_DIR: said.name}
-    running = [subprocess.Popen(command, env={**base, **ranks.environment(r, port, run_id)})
-               for r in ranks.running]
-    stopped: set[int] = set()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _stop(running, stopped))
+    launch = _Launch(list(ranks.running), at_once or len(ranks.running),
+                     lambda r: subprocess.Popen(command, env={
+                         **base, **ranks.environment(r, port, run_id)}))
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: launch.stop())
     try:
-        _wait(running, stopped)
+        launch.run()
     except KeyboardInterrupt:  # Ctrl-C reached every rank too: they write their reports
+        launch.pending.clear()
         try:
-            for p in running:
+            for p in launch.started.values():
                 p.wait()
         except KeyboardInterrupt:
             raise MemprofError("interrupted again while the ranks wrote their reports",
@@ -116,24 +121,44 @@ def run_ranks(ranks: Ranks, command: list[str]) -> list[RankExit]:
         signal.signal(signal.SIGTERM, previous)
     del store  # after every rank: the ranks' store lives as long as they do
     said.cleanup()
-    return [RankExit(r, p.returncode, i in stopped)
-            for i, (r, p) in enumerate(zip(ranks.running, running, strict=True))]
+    return [RankExit(r, launch.started[r].returncode, r in launch.stopped)
+            if r in launch.started else RankExit(r, 0, True) for r in ranks.running]
 
 
-def _wait(running: list[subprocess.Popen[bytes]], stopped: set[int]) -> None:
-    """Wait for every rank; once one fails, stop the rest after :data:`GRACE_S`."""
-    failed_at = None
-    while any(p.poll() is None for p in running):
-        if failed_at is None and any(p.returncode for p in running if p.returncode is not None):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
-            _stop(running, stopped)
-            failed_at = float("inf")  # stopped once; now wait for them to write reports
-        time.sleep(_POLL_S)
+@dataclass
+class _Launch:
+    """The ranks started, those waiting to start, and those memprof stopped."""
 
+    pending: list[int]
+    at_once: int
+    start: Callable[[int], subprocess.Popen[bytes]]
+    started: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    stopped: set[int] = field(default_factory=set)
 
-def _stop(running: list[subprocess.Popen[bytes]], stopped: set[int]) -> None:
-    for rank, p in enumerate(running):
-        if p.poll() is None:
-            stopped.add(rank)
-            p.send_signal(signal.SIGTERM)
+    def run(self) -> None:
+        """Start ranks while fewer than ``at_once`` run, until all have ended; once one
+        has failed, start no more and stop the rest after :data:`GRACE_S`."""
+        failed_at = None
+        while True:
+            running = sum(p.poll() is None for p in self.started.values())  # polls each
+            if failed_at is None and any(p.returncode for p in self.started.values()):
+                failed_at = time.monotonic()
+                self.pending.clear()
+            if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+                self.stop()
+                failed_at = float("inf")  # stopped once; now wait for them to write reports
+            while self.pending and running < self.at_once:
+                rank = self.pending.pop(0)
+                self.started[rank] = self.start(rank)
+                running += 1
+            if not running:
+                return
+            time.sleep(_POLL_S)
+
+    def stop(self) -> None:
+        """SIGTERM to the ranks running; none started from now on."""
+        self.pending.clear()
+        for rank, p in self.started.items():
+            if p.poll() is None:
+                self.stopped.add(rank)
+                p.send_signal(signal.SIGTERM)
