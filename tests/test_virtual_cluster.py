@@ -600,13 +600,13 @@ def test_ranks_run_a_few_at_a_time_and_a_failure_starts_no_more(tmp_path: Path) 
                        for p in folder.iterdir()}
 
     exits, ran = spans(0)
-    assert [(e.rank, e.code, e.stopped) for e in exits] == [(r, 0, False) for r in range(4)]
+    assert [(e.rank, e.code, e.started) for e in exits] == [(r, 0, True) for r in range(4)]
     starts = sorted(start for start, _ in ran.values())
     ends = sorted(end for _, end in ran.values())
     assert starts[2] >= ends[0]  # the third rank starts once one of the first two ended
     exits, ran = spans(3)  # rank 1 fails while rank 0 runs
-    assert sorted(ran) == [0, 1] and [(e.rank, e.code, e.stopped) for e in exits] == [
-        (0, 0, False), (1, 3, False), (2, 0, True), (3, 0, True)]
+    assert sorted(ran) == [0, 1] and [(e.rank, e.code, e.started) for e in exits] == [
+        (0, 0, True), (1, 3, True), (2, 0, False), (3, 0, False)]
 
 
 @pytest.mark.parametrize("group", [(1, 4)], indirect=True)

@@ -65,7 +65,11 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
                               "--force", "--no-need", "-o", str(folder), *options, *command],
                       at_once)
     sys.stdout.flush()
-    cluster = read_cluster(folder, world, ranks.chosen)
+    started = tuple(e.rank for e in exits if e.started)
+    if len(started) < len(running):  # a rank failed before these could start
+        cluster = read_cluster(folder, world, started, "a rank failed before they started")
+    else:
+        cluster = read_cluster(folder, world, ranks.chosen)
     write_json(cluster_summary(cluster, ranks.nodes, ranks.per_node), folder / CLUSTER_FILE)
     notes.print(plain(f"memprof run {shlex.join(command)}: {ranks_word} on"
                       f" {cluster.card or 'the GPUs'}"))

@@ -52,7 +52,8 @@ class Cluster:
 
     ranks: list[RankPeak]
     card: str
-    world_size: int | None = None  # where only some ranks of a world ran (--ranks)
+    world_size: int | None = None  # where only some ranks of a world ran
+    not_run: str = "--ranks"  # why the others did not
 
     @property
     def written(self) -> list[RankPeak]:
@@ -76,9 +77,9 @@ def rank_reports(folder: Path) -> dict[int, Path]:
 
 
 def read_cluster(folder: Path, world_size: int | None = None,
-                 running: tuple[int, ...] | None = None) -> Cluster:
+                 running: tuple[int, ...] | None = None, not_run: str = "--ranks") -> Cluster:
     """The ranks of the run in ``folder``; with ``world_size``, those that ran (``running``,
-    where not all of them did), a report or not."""
+    where not all of them did, and ``not_run`` why), a report or not."""
     if world_size is None:
         reports = rank_reports(folder)
     else:  # a world of one writes report.json, as a single run does
@@ -88,7 +89,7 @@ def read_cluster(folder: Path, world_size: int | None = None,
     peaks = [_peak(rank, reports[rank]) if rank in reports else RankPeak(rank, None)
              for rank in ranks]
     return Cluster(peaks, next((p.card for p in peaks if p.card), ""),
-                   None if running is None or world_size is None else world_size)
+                   None if running is None or world_size is None else world_size, not_run)
 
 
 def _peak(rank: int, path: Path) -> RankPeak:
@@ -211,5 +212,6 @@ def render_cluster(cluster: Cluster, console: Console) -> None:
     if cluster.world_size is not None:
         shown = len(cluster.ranks)
         console.print(Text(f"{cluster.world_size - shown} of the world's {cluster.world_size}"
-                           " ranks were not run (--ranks): the answer is the ranks run.", "dim"))
+                           f" ranks were not run ({cluster.not_run}): the answer is the ranks"
+                           " run.", "dim"))
     console.print(Text(f"{NOT_COUNTED}.", "dim"))

@@ -74,6 +74,7 @@ class RankExit:
     rank: int
     code: int
     stopped: bool  # stopped by memprof after another rank failed, or by Ctrl-C
+    started: bool = True  # False: another rank failed first (exit code 0)
 
 
 def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
@@ -95,7 +96,7 @@ def run_ranks(ranks: Ranks, command: list[str], at_once: int | None = None
               ) -> list[RankExit]:
     """Run ``command`` once per running rank, all at once or ``at_once`` at a time (ranks
     on virtual cards wait for no other); how each ended, in rank order. Once a rank has
-    failed, the ranks not started yet are not started (``stopped``, exit code 0)."""
+    failed, the ranks not started yet are not started (``started`` False)."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -122,7 +123,7 @@ def run_ranks(ranks: Ranks, command: list[str], at_once: int | None = None
     del store  # after every rank: the ranks' store lives as long as they do
     said.cleanup()
     return [RankExit(r, launch.started[r].returncode, r in launch.stopped)
-            if r in launch.started else RankExit(r, 0, True) for r in ranks.running]
+            if r in launch.started else RankExit(r, 0, True, False) for r in ranks.running]
 
 
 @dataclass
