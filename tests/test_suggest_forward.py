@@ -29,6 +29,7 @@ from memprof.trace.model import (
     EVAL_ACTIVATIONS,
     GRADIENTS,
     LOSS_LOGITS,
+    PARAMETERS,
 )
 
 SCRIPT = Path(__file__).parent / "scripts" / "attention_train.py"
@@ -187,6 +188,12 @@ def test_a_cross_entropy_over_a_vocabulary_is_offered_in_chunks(tmp_path: Path) 
     assert start.at_peak[ACTIVATIONS] - chunked.change(start).at_peak[ACTIVATIONS] == (
         log_probabilities - log_probabilities // 8)
     compile(chunked.snippet, "<snippet>", "exec")
+    # under autocast the log-probabilities stay fp32 (log_softmax's list): the rest halves
+    autocast = {r.remedy.key: r.remedy for r in advice.ranked}["autocast"].change(start)
+    others = start.at_peak[ACTIVATIONS] - log_probabilities
+    assert autocast.at_peak[ACTIVATIONS] == int(others / 2) + log_probabilities \
+        + start.at_peak[PARAMETERS] // 2  # and the weights' bf16 copies
+    assert autocast.tagged(LOSS_LOGITS) == log_probabilities
     # a classifier's few classes are no vocabulary: nothing to chunk
     narrow = advise(load_run(tmp_path / "narrow"), parse_budget("1MiB"))
     assert "chunked_loss" not in {r.remedy.key for r in narrow.ranked}

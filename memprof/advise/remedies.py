@@ -20,6 +20,7 @@ from memprof.trace.model import (
     ACTIVATIONS,
     BUFFERS,
     GRADIENTS,
+    LOSS_LOGITS,
     OPTIMIZER_STATE,
     OTHER,
     PARAMETERS,
@@ -162,17 +163,22 @@ def _precision(ctx: Context, busy: bool) -> list[Remedy]:
         return [pure]
 
     def autocast(p: Peak) -> Peak:
-        # bf16 copies of the weights are saved for backward: half the fp32 weights' bytes
-        return p.scaled({ACTIVATIONS: 0.5, TEMPORARIES: 0.5}, step_too=False).added(
-            ACTIVATIONS, p.at_peak[PARAMETERS] // 2)
+        # a cross-entropy's log-probabilities stay fp32 (log_softmax is on autocast's fp32
+        # list); bf16 copies of the weights are saved for backward: half the fp32 weights
+        fp32 = p.tags_at_peak.get(LOSS_LOGITS, 0)
+        halved = p.scaled({ACTIVATIONS: 0.5, TEMPORARIES: 0.5}, step_too=False)
+        return replace(halved, at_peak={**halved.at_peak, ACTIVATIONS: halved.at_peak[
+            ACTIVATIONS] + fp32 - fp32 // 2 + p.at_peak[PARAMETERS] // 2},
+            tags_at_peak={**halved.tags_at_peak, **({LOSS_LOGITS: fp32} if fp32 else {})})
 
     return [Remedy(
         "autocast", "bf16 autocast (mixed precision)", "precision", 3,
         "numerics: bf16 matmuls (fp32 where CUDA's autocast lists keep it); faster on tensor"
         " cores", SEEDS["004"],
-        "activations and temporaries halve (matmul inputs and outputs in bf16; norms, softmax"
-        " and losses stay fp32, so this is the best case); the bf16 weight copies saved for"
-        " backward add half the fp32 weights",
+        "activations and temporaries halve (matmul inputs and outputs in bf16) but a"
+        " cross-entropy's log-probabilities, which stay fp32; norms, softmax and what the"
+        " residual stream keeps in fp32 stay fp32 too, so this is the best case; the bf16"
+        " weight copies saved for backward add half the fp32 weights",
         autocast,
         "TrainingArguments(..., bf16=True)  # the Trainer's forward under bf16 autocast"
         if ctx.trainer else
