@@ -574,6 +574,22 @@ def test_each_rank_gets_torchruns_environment() -> None:
         "GROUP_RANK": "1", "MASTER_PORT": "29400"}
 
 
+def test_a_cluster_that_runs_out_of_memory_answers_with_the_first_rank(tmp_path: Path) -> None:
+    """The sample's ranks on cards too small for them: the answer is PyTorch's message for
+    the first rank; ranks not started after it are said to be not run, and leave no
+    folder."""
+    out = tmp_path / "out"
+    result = memprof_run(tmp_path, "--nproc-per-node", "4", "--virtual-gpu", "560MiB", "-o",
+                         out, "--no-timeline", SAMPLES / "fsdp2.py", *SIZE)
+    assert result.code == 1, result.stderr[-3000:]
+    summary = report(out, "cluster.json")
+    assert summary["answer"].startswith("out of memory on rank 0 at step 1: OutOfMemoryError")
+    ran = summary["ranks_run"]
+    assert ran == list(range(len(ran))) and ran  # in order, as many at a time as cores
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [f"rank-{r}" for r in ran]
+    assert ("a rank failed before they started" in result.stderr) == (len(ran) < 4)
+
+
 RANK_SPAN = """\
 import os, sys, time
 start, failing = time.monotonic(), os.environ["RANK"] == "1" and sys.argv[2] != "0"

@@ -20,7 +20,7 @@ from memprof.collect.virtual.cards import Card, card_args
 from memprof.errors import MemprofError
 from memprof.report.cluster import cluster_summary, read_cluster, render_cluster
 from memprof.report.json import write_json
-from memprof.report.run_folder import FILE_NAMES, claim, rank_folder, run_folder
+from memprof.report.run_folder import FILE_NAMES, claim, rank_folder, run_folder, unclaim
 from memprof.report.text import plain
 
 CLUSTER_FILE = "cluster.json"  # the whole run's summary, beside the ranks' reports
@@ -67,6 +67,8 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     sys.stdout.flush()
     started = tuple(e.rank for e in exits if e.started)
     if len(started) < len(running):  # a rank failed before these could start
+        for rank in set(running) - set(started):  # their folders, claimed and left empty
+            unclaim(rank_folder(folder, rank, world), FILE_NAMES)
         cluster = read_cluster(folder, world, started, "a rank failed before they started")
     else:
         cluster = read_cluster(folder, world, ranks.chosen)

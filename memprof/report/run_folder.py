@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import time
@@ -70,7 +71,7 @@ def claim(folder: Path, names: dict[str, str], force: bool) -> None:
             raise MemprofError(f"{folder}: already holds {taken[0]}; pass --force to overwrite"
                                " or -o to choose another folder")
         folder.mkdir(parents=True, exist_ok=True)
-        lock = folder / f".{names['report']}.lock"
+        lock = _lock_path(folder, names)
         _lock(lock, force)
         for name in taken:
             (folder / name).unlink()
@@ -80,6 +81,18 @@ def claim(folder: Path, names: dict[str, str], force: bool) -> None:
     except OSError as exc:
         raise MemprofError(f"{folder}: cannot prepare the run folder ({exc.strerror})") from None
     atexit.register(lock.unlink, missing_ok=True)
+
+
+def unclaim(folder: Path, names: dict[str, str]) -> None:
+    """Give up a claimed ``folder`` that nothing was written to: its lock, and itself where
+    it is empty now."""
+    with contextlib.suppress(OSError):
+        _lock_path(folder, names).unlink()
+        folder.rmdir()
+
+
+def _lock_path(folder: Path, names: dict[str, str]) -> Path:
+    return folder / f".{names['report']}.lock"
 
 
 def _lock(lock: Path, force: bool) -> None:
