@@ -160,3 +160,27 @@ def test_verify_chunks_a_vocabularys_cross_entropy_to_the_same_loss_and_gradient
     with applied({"chunked_loss": 8}):
         assert F.cross_entropy(small, torch.zeros(8, dtype=torch.long)).grad_fn.name() \
             == "NllLossBackward0"  # as written
+
+
+def test_what_autocast_would_keep_in_bf16_is_tagged_from_the_operators():
+    """An fp32 run's activations that CUDA autocast would make in bf16, or save a bf16 copy
+    of (its lists, ``autocast_ops.py``), are tagged: the layer norm's output the first
+    linear casts, that linear's output, and GELU's output made from it alone; not the layer
+    norm's input or its statistics, which autocast keeps fp32."""
+    from memprof.trace.events import SIZE
+    from memprof.trace.model import AUTOCAST_HALF
+
+    rows = 8
+    with CpuRecorder() as recorder:
+        model = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 4 * D), nn.GELU(),
+                              nn.Linear(4 * D, D))
+        optimizer = torch.optim.SGD(model.parameters())
+        model(torch.randn(rows, D)).sum().backward()
+        optimizer.step()
+    snapshot = recorder.snapshot()
+    sizes = [event[SIZE] for event in snapshot["device_traces"][0]]
+    tagged = [sizes[index] for index, tag in snapshot["memprof"]["tags"]
+              if tag == AUTOCAST_HALF]
+    # the layer norm's output (rows x D), the linear's output and GELU's (rows x 4D each)
+    assert sorted(tagged) == sorted([4 * rows * D, 4 * rows * 4 * D, 4 * rows * 4 * D])
+    assert snapshot["memprof"]["model"]["ops_traced"] is True

@@ -301,6 +301,8 @@ def test_an_evaluation_with_grad_is_tagged_as_by_the_exact_recorder(backward: bo
     exact_trace, exact_meta = _exact(evaluate, [])
     trace, meta = _hooks_only(evaluate, [])
     tags = [(trace[i]["size"], tag) for i, tag in meta["tags"]]
-    assert tags == [(exact_trace[i]["size"], tag) for i, tag in exact_meta["tags"]]
+    # (autocast's precision is told from operators, which the hooks alone do not see)
+    assert tags == [(exact_trace[i]["size"], tag) for i, tag in exact_meta["tags"]
+                    if not tag.startswith("autocast_half")]
     # the input and the ReLU's output; nothing once a backward read them
     assert tags == ([] if backward else [(32 * 64 * 4, "eval_activations")] * 2)

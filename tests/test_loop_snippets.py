@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import pytest
 
-from memprof.advise.checkpointing import checkpoint_remedies
 from memprof.advise.peak import Peak
 from memprof.advise.remedies import Context, catalogue
 from memprof.collect.hooks.roles import _loop_of
@@ -82,7 +81,7 @@ def test_a_library_model_checkpoints_by_its_own_switch(module: str, switch: str)
         {"class": "Block", "module": module, "count": 16, "saved": saved,
          "call": {"args": ["x"], "kwargs": []}}]}
     peak, ctx = Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0), Context(facts)
-    snippets = {r.key: r.snippet for r in catalogue(peak, ctx) + checkpoint_remedies(peak, ctx)}
+    snippets = {r.key: r.snippet for r in catalogue(peak, ctx)}
     assert switch in snippets["checkpoint_blocks"]
     compile(snippets["checkpoint_blocks"], "<snippet>", "exec")
     assert ("checkpoint_sqrt" in snippets) == (module == "my_model")

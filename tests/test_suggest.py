@@ -19,7 +19,7 @@ from test_run_cli import SAMPLES, Result, block, flags, memprof_here, memprof_ru
 
 from memprof.advise.advice import advise
 from memprof.advise.budget import parse_budget
-from memprof.advise.checkpointing import checkpoint_remedies
+from memprof.advise.peak import Peak
 from memprof.advise.remedies import Context, catalogue
 from memprof.advise.rerun import Rerun, with_arg
 from memprof.advise.source import load_run
@@ -171,8 +171,7 @@ def test_snippets_compile_and_name_the_runs_blocks(runs: Path):
     assert "lora" not in {r.key for r in catalogue(advice.start, Context(run.model))}  # new
     loaded = {**run.model, "loaded_state_dict": True}  # fine-tuning weights it loaded
     everything = Context(loaded, gpus=4, world_size=2, expandable_ratio=0.0, leak=leak)
-    remedies = catalogue(advice.start, everything) + checkpoint_remedies(advice.start,
-                                                                        everything)
+    remedies = catalogue(advice.start, everything)
     assert {"autocast", "checkpoint_blocks", "micro_batch_2", "optimizer_8bit", "zero_3",
             "offload_optimizer", "fix_leak", "bucket_view", "lora",
             "pure_bf16"} <= {r.key for r in remedies}
@@ -203,9 +202,7 @@ def test_a_hugging_face_model_and_trainer_get_the_librarys_switches(runs: Path):
     for trainer in (None, "transformers"):
         model = {**run.model, "repeated_blocks": [block], "trainer": trainer,
                  "pretrained": True}
-        ctx = Context(model)
-        snippets = {r.key: r.snippet
-                    for r in catalogue(start, ctx) + checkpoint_remedies(start, ctx)}
+        snippets = {r.key: r.snippet for r in catalogue(start, Context(model))}
         for key, snippet in snippets.items():
             compile(snippet, key, "exec")
         assert snippets["checkpoint_blocks"].startswith("model.gradient_checkpointing_enable(")
@@ -214,7 +211,8 @@ def test_a_hugging_face_model_and_trainer_get_the_librarys_switches(runs: Path):
         in_trainer = {key: "TrainingArguments(" in snippet for key, snippet in snippets.items()}
         expected = {"autocast", "micro_batch_2", "micro_batch_4", "micro_batch_8",
                     "micro_batch_16", "optimizer_8bit", "optimizer_sgd",
-                    "optimizer_adafactor", "offload_optimizer"} if trainer else set()
+                    "optimizer_adafactor", "offload_optimizer", "chunked_loss"} \
+            if trainer else set()
         assert {key for key, used in in_trainer.items() if used} - {"checkpoint_blocks"} \
             == expected
     assert 'optim="adamw_bnb_8bit"' in snippets["optimizer_8bit"]
@@ -266,10 +264,15 @@ def test_verify_measures_within_10_percent_of_the_estimates(processes: dict[str,
     current = advice["current"]["reserved_bytes"]
     assert base == current  # the re-run as recorded reproduces the run
     by_key = {r["key"]: r for r in advice["remedies"]}
-    for key in ("autocast", "checkpoint_blocks", "micro_batch_2", "micro_batch_4"):
+    for key in ("checkpoint_blocks", "micro_batch_2", "micro_batch_4"):
         estimated = current - by_key[key]["peak"]["reserved_bytes"]
         measured = base - by_key[key]["measured"]["reserved_bytes"]
         assert abs(estimated - measured) <= 0.10 * measured, (key, estimated, measured)
+    # autocast from what the traced operators would keep in bf16: never more than it
+    # measures to save here, and the peak within 12% above the measured one
+    autocast = by_key["autocast"]
+    estimated, measured = (autocast[k]["reserved_bytes"] for k in ("peak", "measured"))
+    assert measured <= estimated <= 1.12 * measured, (estimated, measured)
     assert by_key["optimizer_8bit"]["verified"] is False  # estimate only
     # the chunked loss, measured (the loss alone chunked): its 15 MiB in allocated bytes,
     # as the 2 MiB segments of reserved memory round a saving that small
@@ -387,25 +390,24 @@ BLOCKS = Path(__file__).parent / "scripts" / "blocks_train.py"
 
 
 @jobs
-def checkpointed(where: Path) -> tuple[Path, dict[str, Any]]:
+def checkpointed(where: Path) -> tuple[Path, dict[str, Any], Peak | None, Peak | None]:
     assert memprof_run(where, "-o", "ckpt", BLOCKS, "--ckpt", "non-reentrant").code == 0
-    return where, advice_json(where, "ckpt", "--budget", "1MB", "--verify")
+    rerun = Rerun.of(load_run(where / "ckpt"))
+    return (where, advice_json(where, "ckpt", "--budget", "1MB", "--verify"), rerun.peak(),
+            rerun.peak(apply={"autocast": "bfloat16"}))
 
 
 def test_blocks_the_script_checkpoints_itself_are_not_offered_and_verify_still_runs(
         processes: dict[str, Future[Any]]):
-    where, advice = processes["checkpointed"].result()
+    where, advice, base, autocast = processes["checkpointed"].result()
     assert load_run(where / "ckpt").model["checkpointed"] == ["Block"]
     by_key = {r["key"]: r for r in advice["remedies"]}
     assert not any(key.startswith("checkpoint") for key in by_key)
+    assert advice["baseline_measured"]["reserved_bytes"] == advice["current"]["reserved_bytes"]
     # memprof's autocast around the script's checkpointed blocks: their recomputation
-    # (stopped early by an exception) sees the forward's precision
-    autocast = by_key["autocast"]
-    assert autocast["verified"] and autocast["verify_error"] is None
-    # allocated: on a model this small, reserved moves with where a bias gradient's
-    # reduction stages its 4 MiB (a segment of its own at the peak, or not)
-    assert autocast["measured"]["allocated_bytes"] < \
-        advice["baseline_measured"]["allocated_bytes"]
+    # (stopped early by an exception) sees the forward's precision. Allocated: on a model
+    # this small, reserved moves with where a bias gradient's reduction stages its 4 MiB
+    assert autocast is not None and base is not None and autocast.allocated < base.allocated
 
 
 @pytest.mark.parametrize("how", ["reentrant", "inside", "none"])

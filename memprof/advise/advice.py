@@ -5,13 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memprof.advise.budget import Budget
-from memprof.advise.checkpointing import checkpoint_remedies
-from memprof.advise.forward_remedies import forward_remedies
 from memprof.advise.peak import Peak, peak_of
 from memprof.advise.plan import Plan, Ranked, plan, rank
 from memprof.advise.remedies import Context, catalogue
 from memprof.advise.source import Run
-from memprof.trace.model import ACTIVATIONS, TEMPORARIES
+from memprof.trace.model import ACTIVATIONS, AUTOCAST_HALF, TEMPORARIES
 
 
 @dataclass(frozen=True)
@@ -31,9 +29,9 @@ def advise(run: Run, budget: Budget, gpus: int = 1) -> Advice:
     """Rank the remedies that apply to ``run`` and plan a fit under ``budget``."""
     start = peak_of(run.device)
     ctx = Context(run.model, gpus, int(run.facts.get("world_size") or 1),
-                  _expandable_ratio(run, start), run.device.get("leak"), _block_shares(run))
-    remedies = catalogue(start, ctx) + checkpoint_remedies(start, ctx) \
-        + forward_remedies(start, ctx)
+                  _expandable_ratio(run, start), run.device.get("leak"), _block_shares(run),
+                  _autocast_share(run))
+    remedies = catalogue(start, ctx)
     return Advice(run, budget, start, rank(start, remedies), plan(start, remedies, budget.bytes),
                   ctx)
 
@@ -45,6 +43,16 @@ def _block_shares(run: Run) -> dict[str, float] | None:
         return None
     return {k: inside.get(k, 0) / held[k] if held.get(k) else 1.0
             for k in (ACTIVATIONS, TEMPORARIES)}
+
+
+def _autocast_share(run: Run) -> float | None:
+    """Of the activations at their own peak, the share autocast would keep in bf16 (None
+    where the run's operators were not traced)."""
+    half = (run.device.get("tagged") or {}).get(AUTOCAST_HALF)
+    peak = (run.device.get("category_peaks") or {}).get(ACTIVATIONS)
+    if not run.model.get("ops_traced") or not half or not peak:
+        return None
+    return min(1.0, half["at_activations_peak_bytes"] / peak)
 
 
 def _expandable_ratio(run: Run, start: Peak) -> float | None:

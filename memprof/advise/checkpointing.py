@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from memprof.advise.peak import Peak
-from memprof.advise.remedies import SEEDS, Context, Remedy
+from memprof.advise.remedy import SEEDS, Context, Remedy
 from memprof.report.units import format_bytes
 from memprof.trace.model import ACTIVATIONS, TEMPORARIES
 
@@ -36,8 +36,7 @@ LIBRARY_SWITCH = {"transformers": "self", "diffusers": "parent"}
 
 def checkpoint_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
     """Checkpointing of the repeated blocks, where activations are a share of the peak."""
-    moment = peak.moment
-    if moment[ACTIVATIONS] + moment[TEMPORARIES] < 0.05 * peak.allocated:
+    if not peak.busy:
         return []
     checkpointed = set(ctx.model.get("checkpointed") or [])
     blocks = [b for b in ctx.model.get("repeated_blocks") or []

@@ -13,7 +13,7 @@ estimates.
 from __future__ import annotations
 
 from memprof.advise.peak import Peak
-from memprof.advise.remedies import SEEDS, Context, Remedy
+from memprof.advise.remedy import SEEDS, Context, Remedy
 from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS, GRADIENTS, LOSS_LOGITS
 
 SCORES_SHARE = 0.03  # attention scores under this share of the peak: not worth a rewrite

@@ -20,6 +20,7 @@ from typing import Any
 from memprof.analysis.blocks import SMALL_BUFFER
 from memprof.trace.model import (
     ACTIVATIONS,
+    AUTOCAST_HALF_TEMPORARY,
     BUFFERS,
     CATEGORIES,
     COMMUNICATION,
@@ -27,8 +28,12 @@ from memprof.trace.model import (
     OPTIMIZER_STATE,
     OTHER,
     PARAMETERS,
+    TEMPORARIES,
     WORKSPACE,
 )
+
+BUSY_SHARE = 0.05
+TAG_CATEGORY = {AUTOCAST_HALF_TEMPORARY: TEMPORARIES}  # a tag within another category
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,8 @@ class Peak:
     at_peak: dict[str, int]
     at_step: dict[str, int]
     cache_ratio: float  # reserved-but-unallocated bytes per allocated byte
-    tags_at_peak: dict[str, int] = field(default_factory=dict)  # within the activations
+    # within the activations (a temporary's tag: within the temporaries, TAG_CATEGORY)
+    tags_at_peak: dict[str, int] = field(default_factory=dict)
     tags_at_step: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -53,6 +59,13 @@ class Peak:
                    * SMALL_BUFFER)
 
     @property
+    def busy(self) -> bool:
+        """Whether activations and temporaries are a share of the peak (5%) worth the
+        remedies that shrink them."""
+        moment = self.moment
+        return moment[ACTIVATIONS] + moment[TEMPORARIES] >= BUSY_SHARE * self.allocated
+
+    @property
     def moment(self) -> dict[str, int]:
         """The composition of whichever moment is the peak."""
         return self.at_peak if sum(self.at_peak.values()) >= sum(self.at_step.values()) \
@@ -64,7 +77,8 @@ class Peak:
             return {k: int(v * factors.get(k, 1.0)) for k, v in held.items()}
 
         def tags(held: dict[str, int]) -> dict[str, int]:
-            return {k: int(v * factors.get(ACTIVATIONS, 1.0)) for k, v in held.items()}
+            return {k: int(v * factors.get(TAG_CATEGORY.get(k, ACTIVATIONS), 1.0))
+                    for k, v in held.items()}
         return replace(self, at_peak=scale(self.at_peak), tags_at_peak=tags(self.tags_at_peak),
                        at_step=scale(self.at_step) if step_too else self.at_step,
                        tags_at_step=tags(self.tags_at_step) if step_too else self.tags_at_step)

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 from memprof.advise.peak import Peak
-from memprof.advise.remedies import Remedy
+from memprof.advise.remedy import Remedy
 
 
 @dataclass(frozen=True)

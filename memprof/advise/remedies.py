@@ -9,200 +9,38 @@ not offered at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
+from memprof.advise.checkpointing import checkpoint_remedies
+from memprof.advise.forward_remedies import forward_remedies
 from memprof.advise.peak import Peak
+from memprof.advise.precision import precision_remedies
+from memprof.advise.remedy import SEEDS, Context, Remedy
 from memprof.analysis.blocks import MIN_BLOCK
 from memprof.collect.hooks.model_facts import SMALL_TENSOR
 from memprof.trace.model import (
     ACTIVATIONS,
-    BUFFERS,
     GRADIENTS,
-    LOSS_LOGITS,
     OPTIMIZER_STATE,
     OTHER,
     PARAMETERS,
     TEMPORARIES,
 )
 
-SEEDS = {
-    "000": "seed 000 (system memory standing in for GPU memory: ZeRO, offload, accumulation)",
-    "001": "seed 001 (memory bandwidth: mixed precision, checkpointing, no_grad, ZeRO)",
-    "003": "seed 003 (out-of-memory causes and fixes: precision, accumulation, checkpointing,"
-           " 8-bit optimizers, offload)",
-    "004": "seed 004 (large-model training: mixed precision, INT8, checkpointing, ZeRO)",
-    "003_attention": "seed 003 (out-of-memory causes: self-attention memory grows with the"
-                     " square of the sequence length)",
-    "003_stages": "seed 003 (memory grows in stages: the graph in forward, gradients in"
-                  " backward, the optimizer's temporaries)",
-    "loss": "not a seed: a language model's cross-entropy keeps fp32 log-probabilities of"
-            " every token over the whole vocabulary (Liger Kernel's fused linear"
-            " cross-entropy, chunked losses)",
-}
 MICRO_BATCHES = (2, 4, 8, 16)
-# libraries whose models switch checkpointing on themselves, by their modules' prefix
-MODEL_LIBRARIES = ("transformers", "diffusers")
 # bytes a weight in bitsandbytes' NF4 with double quantisation: 4 bits, a block of 64 weights'
 # 8-bit scale, and a block of 256 scales' fp32 scale
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
-@dataclass(frozen=True)
-class Context:
-    """What a savings model may use: the run's model facts, the GPUs, the allocator's
-    what-if for expandable segments."""
-
-    model: dict[str, Any]
-    gpus: int = 1
-    world_size: int = 1
-    expandable_ratio: float | None = None  # cache per allocated byte with expandable segments
-    leak: dict[str, Any] | None = None  # the report's leak verdict
-    # of the activations and temporaries at the recorded peak, the share that the repeated
-    # blocks' modules held (memprof run's attribution); None: unknown, taken as all
-    block_shares: dict[str, float] | None = None
-
-    @property
-    def optimizer(self) -> dict[str, Any]:
-        optimizers = self.model.get("optimizers") or [{}]
-        return optimizers[0]
-
-    @property
-    def quantised_state(self) -> bool:
-        """Whether the optimizer keeps 8- or 4-bit state (bitsandbytes' ``AdamW8bit``,
-        ``PagedAdam8bit``, torchao's ``AdamW4bit``): its size does not follow the weights'."""
-        name = str(self.optimizer.get("class", ""))
-        return "8bit" in name or "4bit" in name
-
-    @property
-    def block(self) -> dict[str, Any] | None:
-        blocks = self.model.get("repeated_blocks") or []
-        return blocks[0] if blocks else None
-
-    @property
-    def trainer(self) -> bool:
-        """Whether the Hugging Face Trainer stepped the optimizer: its snippets are
-        ``TrainingArguments``."""
-        return self.model.get("trainer") == "transformers"
-
-    @property
-    def loop(self) -> str | None:
-        """The library whose loop stepped the optimizer ("transformers", "lightning",
-        "accelerate"), for snippets in its own switches; None: the script's own loop."""
-        loop = self.model.get("trainer")
-        return loop if isinstance(loop, str) else None
-
-    @property
-    def model_library(self) -> str | None:
-        """The library whose classes the model's blocks are ("transformers", "diffusers"),
-        whose snippets use its own switches; None: a model of the script's own."""
-        module = str((self.block or {}).get("module", ""))
-        return next((library for library in MODEL_LIBRARIES
-                     if module.startswith(f"{library}.")), None)
-
-    @property
-    def transformers(self) -> bool:
-        """Whether the model is a Hugging Face transformers model."""
-        return self.model_library == "transformers"
-
-
-@dataclass(frozen=True)
-class Remedy:
-    """One remedy, its savings model applied through ``change``."""
-
-    key: str
-    title: str
-    group: str  # at most one remedy of a group in a plan
-    cost: int  # the planner's price: lower is cheaper to adopt
-    cost_text: str
-    seed: str
-    assumptions: str
-    change: Callable[[Peak], Peak]
-    snippet: str
-    verify: dict[str, Any] = field(default_factory=dict)  # how --verify applies it
-
-
 def catalogue(peak: Peak, ctx: Context) -> list[Remedy]:
     """The remedies that apply to this run."""
-    found: list[Remedy] = []
-    moment = peak.moment
-    active = moment[ACTIVATIONS] + moment[TEMPORARIES]
-    busy = active >= 0.05 * peak.allocated
-    found += _precision(ctx, busy)
-    if busy:
+    found = precision_remedies(peak, ctx) + checkpoint_remedies(peak, ctx)
+    if peak.busy:
         found += _micro_batches(ctx)
     found += _optimizer_state(peak, ctx) + _sharding(peak, ctx) + _model_state(peak, ctx)
     found += _allocator(peak, ctx) + _hygiene(peak, ctx)
-    return found
-
-
-def _precision(ctx: Context, busy: bool) -> list[Remedy]:
-    dtypes = ctx.model.get("dtypes") or {"float32": 1}
-    if dtypes.get("float64"):
-        return _single(dtypes["float64"] / sum(dtypes.values()))
-    if set(dtypes) != {"float32"}:
-        return []
-    amp = bool(ctx.model.get("autocast"))
-    quantised = ctx.quantised_state  # its moments are 8- or 4-bit: bf16 weights leave them
-    pure = Remedy(
-        "pure_bf16", "bf16 weights, gradients" + ("" if quantised else " and optimizer state"),
-        "precision", 9,
-        "numerics: bf16 weight updates lose small steps (keep fp32 master weights, or use"
-        " Kahan summation, where that matters)", SEEDS["004"],
-        "parameters, floating-point buffers and gradients halve"
-        + (f"; the {ctx.optimizer.get('class')}'s quantised state stays as it is" if quantised
-           else ", and so does the optimizer state")
-        + ("" if amp else "; activations and temporaries halve too"),
-        lambda p: p.scaled({PARAMETERS: 0.5, BUFFERS: 0.5, GRADIENTS: 0.5,
-                            OPTIMIZER_STATE: 1.0 if quantised else 0.5,
-                            **({} if amp else {ACTIVATIONS: 0.5, TEMPORARIES: 0.5})}),
-        'trainer = L.Trainer(..., precision="bf16-true")' if ctx.loop == "lightning" else
-        "model = model.to(torch.bfloat16)  # before the optimizer is built")
-    if amp or not busy:
-        return [pure]
-
-    def autocast(p: Peak) -> Peak:
-        # a cross-entropy's log-probabilities stay fp32 (log_softmax is on autocast's fp32
-        # list); bf16 copies of the weights are saved for backward: half the fp32 weights
-        fp32 = p.tags_at_peak.get(LOSS_LOGITS, 0)
-        halved = p.scaled({ACTIVATIONS: 0.5, TEMPORARIES: 0.5}, step_too=False)
-        return replace(halved, at_peak={**halved.at_peak, ACTIVATIONS: halved.at_peak[
-            ACTIVATIONS] + fp32 - fp32 // 2 + p.at_peak[PARAMETERS] // 2},
-            tags_at_peak={**halved.tags_at_peak, **({LOSS_LOGITS: fp32} if fp32 else {})})
-
-    return [Remedy(
-        "autocast", "bf16 autocast (mixed precision)", "precision", 3,
-        "numerics: bf16 matmuls (fp32 where CUDA's autocast lists keep it); faster on tensor"
-        " cores", SEEDS["004"],
-        "activations and temporaries halve (matmul inputs and outputs in bf16) but a"
-        " cross-entropy's log-probabilities, which stay fp32; norms, softmax and what the"
-        " residual stream keeps in fp32 stay fp32 too, so this is the best case; the bf16"
-        " weight copies saved for backward add half the fp32 weights",
-        autocast,
-        "TrainingArguments(..., bf16=True)  # the Trainer's forward under bf16 autocast"
-        if ctx.trainer else
-        'trainer = L.Trainer(..., precision="bf16-mixed")' if ctx.loop == "lightning" else
-        'accelerator = Accelerator(mixed_precision="bf16")  # prepare() wraps the forward'
-        if ctx.loop == "accelerate" else
-        'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
-        "    loss = compute_loss(model, batch)  # the forward pass and the loss only\n"
-        "loss.backward()",
-        {"autocast": "bfloat16"}), pure]
-
-
-def _single(share: float) -> list[Remedy]:
-    """float32 for a model in float64 (``share`` of its parameters)."""
-    kept = 1 - share / 2
-    return [Remedy(
-        "float32", "float32 instead of float64", "precision", 2,
-        "numerics: float32's 7 significant digits, as nearly all training uses", SEEDS["004"],
-        f"the float64 parameters ({share:.0%} of them), their gradients and optimizer state"
-        " halve, and so do the activations and temporaries in that share",
-        lambda p: p.scaled({k: kept for k in (PARAMETERS, BUFFERS, GRADIENTS, OPTIMIZER_STATE,
-                                              ACTIVATIONS, TEMPORARIES)}),
-        "model = model.float()  # or never .double(); and float32 inputs:\n"
-        "torch.set_default_dtype(torch.float32)")]
+    return found + forward_remedies(peak, ctx)
 
 
 def _micro_batches(ctx: Context) -> list[Remedy]:

@@ -13,7 +13,7 @@ from typing import Any
 from memprof.advise.advice import Advice
 from memprof.advise.peak import Peak
 from memprof.advise.plan import plan
-from memprof.advise.remedies import Remedy
+from memprof.advise.remedy import Remedy
 from memprof.advise.rerun import Rerun, with_arg
 from memprof.errors import MemprofError
 

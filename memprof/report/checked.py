@@ -157,7 +157,8 @@ DEVICE = record(
     categories=table(BYTES), categories_inferred=FLAG,
     categories_in_blocks=optional(table(BYTES)),
     categories_requested=optional(table(BYTES)), category_peaks=optional(table(BYTES)),
-    tagged=optional(table(record(at_peak_bytes=BYTES, at_activations_peak_bytes=BYTES))),
+    tagged=optional(table(record(("at_peak_bytes", "at_activations_peak_bytes"),
+                                 at_peak_bytes=BYTES, at_activations_peak_bytes=BYTES))),
     top_sites=items(SITE), top_modules=items(MODULE),
     fragmentation=record(unallocated_at_peak_bytes=BYTES,
                          largest_free_block_at_peak_bytes=BYTES,
@@ -197,6 +198,7 @@ MODEL = record(
     attention=optional(record(fused=optional(FLAG), score_shape=optional(items(COUNT)),
                               score_dtype=optional(TEXT), module=optional(TEXT))),
     eval_module=optional(TEXT), checkpointed=items(TEXT), loaded_state_dict=FLAG,
+    ops_traced=FLAG,
 )
 RUN = record(
     command=items(TEXT), started=TEXT, cwd=TEXT, torch_version=TEXT, device=TEXT,

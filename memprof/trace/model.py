@@ -55,7 +55,12 @@ GATHERED_OVERRIDES = (PARAMETERS, *COMMUNICATION_OVERRIDES)
 ATTENTION_SCORES = "attention_scores"
 EVAL_ACTIVATIONS = "eval_activations"
 LOSS_LOGITS = "loss_logits"  # the log-probabilities a cross-entropy over a vocabulary saves
-TAGS = (ATTENTION_SCORES, EVAL_ACTIVATIONS, LOSS_LOGITS)
+# an fp32 activation CUDA autocast would make, or save a copy of, in half precision, and a
+# temporary it would make in half precision
+AUTOCAST_HALF = "autocast_half"
+AUTOCAST_HALF_TEMPORARY = "autocast_half_temporary"
+TAGS = (ATTENTION_SCORES, EVAL_ACTIVATIONS, LOSS_LOGITS, AUTOCAST_HALF,
+        AUTOCAST_HALF_TEMPORARY)
 
 
 @dataclass(frozen=True, slots=True)

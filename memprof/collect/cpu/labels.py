@@ -17,6 +17,8 @@ from memprof.collect.hooks.roles import RoleHooks
 from memprof.trace.events import ACTION, TraceEvent
 from memprof.trace.model import (
     ACTIVATIONS,
+    AUTOCAST_HALF,
+    AUTOCAST_HALF_TEMPORARY,
     CATEGORIES,
     COMMUNICATION,
     EVAL_ACTIVATIONS,
@@ -52,12 +54,27 @@ class LabelHooks(RoleHooks):
                 labels.append([index, category])
         return labels
 
-    def resolve_tags(self, events: list[TraceEvent]) -> list[list[Any]]:
+    def resolve_tags(self, events: list[TraceEvent], labels: list[list[Any]]
+                     ) -> list[list[Any]]:
         """Return `[event_index, tag]` for every alloc event in `events` labelled
-        `activations` that has a tag (a parameter an eval forward saved has none)."""
-        return [[index, self._tags[id(event)]] for index, event in enumerate(events)
-                if id(event) in self._tags and self._marks.get(id(event)) == ACTIVATIONS
-                and id(event) not in self._tracker.communication]
+        `activations` (``labels``: ``resolve``'s) that has a tag (a parameter an eval forward
+        saved has none); one without a tag of the forward's is tagged if autocast would make
+        it in half, or save a half copy of it, and a temporary if autocast would make it in
+        half."""
+        halves, copies = self._tracker.halves, self._tracker.half_copies
+        category = dict(map(tuple, labels))
+        tags = []
+        for index, event in enumerate(events):
+            key, label = id(event), category.get(index)
+            if label == ACTIVATIONS and key not in self._tracker.communication:
+                tag = self._tags.get(key) or (
+                    AUTOCAST_HALF if key in halves or key in copies else None)
+            else:
+                tag = AUTOCAST_HALF_TEMPORARY if label == TEMPORARIES and key in halves \
+                    else None
+            if tag is not None:
+                tags.append([index, tag])
+        return tags
 
     def _mark(self, t: torch.Tensor, category: str) -> None:
         for event in self._tracker.alloc_events(t):
@@ -75,6 +92,9 @@ class LabelHooks(RoleHooks):
 
     def _fused_attention(self) -> bool:
         return self._tracker.fused_attention
+
+    def _traces_ops(self) -> bool:
+        return True
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         for event in self._tracker.alloc_events(t):

@@ -11,7 +11,7 @@ a forward pass's operators, they make no storage, and the tracker skips them. Th
 annotation alone would not do: a composite op that may alias (``reshape``, ``to``,
 ``contiguous``) reaches the tracker whole under ``inference_mode`` and copies when it must.
 And whether a new output can be attention scores or comes from a fused attention kernel
-(``score_ops.py``).
+(``score_ops.py``), and how CUDA autocast would run the op (``autocast_ops.py``).
 
     facts = op_facts(torch.ops.aten.mm.default)
     facts & MAY_ALIAS  # 0: mm's output never shares an input's storage
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from memprof.collect.cpu.autocast_ops import FP32_OPS, LOWER_OPS
 from memprof.collect.cpu.score_ops import FUSED_ATTENTION_OPS, LOSS_OPS, SCORE_OPS
 
 MAY_ALIAS = 1  # an output may share an input's storage
@@ -28,6 +29,8 @@ SCORES = 2  # an output may be attention scores (SCORE_OPS)
 FUSED = 4  # a fused attention kernel (FUSED_ATTENTION_OPS)
 VIEW = 8  # every output is a view of an input: the op makes no storage
 LOSS = 16  # an output may be a cross-entropy's log-probabilities (LOSS_OPS)
+HALF = 32  # autocast runs it in half precision (autocast_ops.LOWER_OPS)
+FP32 = 64  # autocast runs it in fp32 (autocast_ops.FP32_OPS)
 
 # aten ops whose outputs share an input's storage though the schema does not say so
 # (torch's SchemaCheckMode exempts the first ones; lift returns its input itself)
@@ -64,4 +67,5 @@ def _decide(func: object) -> int:
     return ((MAY_ALIAS if aliases else 0) | (VIEW if views else 0)
             | (SCORES if packet in SCORE_OPS else 0)
             | (FUSED if packet in FUSED_ATTENTION_OPS else 0)
-            | (LOSS if packet in LOSS_OPS else 0))
+            | (LOSS if packet in LOSS_OPS else 0)
+            | (HALF if packet in LOWER_OPS else 0) | (FP32 if packet in FP32_OPS else 0))

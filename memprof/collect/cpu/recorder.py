@@ -97,7 +97,7 @@ class CpuRecorder:
         finally:
             self._tracker.__exit__(None, None, None)
         self._labels = self._hooks.resolve(self._tracker.events, self._tracker.survivors)
-        self._tags = self._hooks.resolve_tags(self._tracker.events)
+        self._tags = self._hooks.resolve_tags(self._tracker.events, self._labels)
 
     def __enter__(self) -> CpuRecorder:
         self.start()

@@ -13,15 +13,15 @@ import torch
 _aten = torch.ops.aten
 
 
-def _packets(*names: str) -> frozenset[object]:
+def aten_packets(*names: str) -> frozenset[object]:
     return frozenset(getattr(_aten, n) for n in names if hasattr(_aten, n))
 
 
-SCORE_OPS = _packets("bmm", "baddbmm", "_softmax", "_safe_softmax", "masked_fill", "mul",
+SCORE_OPS = aten_packets("bmm", "baddbmm", "_softmax", "_safe_softmax", "masked_fill", "mul",
                      "div", "add", "where", "native_dropout", "empty_like", "_masked_softmax")
 # and _safe_softmax, which only SDPA's math fallback calls (the CPU's, with dropout): the
 # script calls scaled_dot_product_attention, which CUDA would run fused
-FUSED_ATTENTION_OPS = _packets(
+FUSED_ATTENTION_OPS = aten_packets(
     "_safe_softmax",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
@@ -31,7 +31,7 @@ FUSED_ATTENTION_OPS = _packets(
 
 # a cross-entropy's log-probabilities (F.cross_entropy, nll_loss of log_softmax), kept for
 # backward: (N, classes), and worth a loss remedy where the classes are a vocabulary
-LOSS_OPS = _packets("_log_softmax")
+LOSS_OPS = aten_packets("_log_softmax")
 VOCABULARY = 1024  # classes from which a log-softmax output is a language model's
 
 

@@ -41,7 +41,16 @@ from torch.utils._python_dispatch import (
 )
 
 from memprof.analysis.categories import communication_call
-from memprof.collect.cpu.op_facts import FUSED, LOSS, MAY_ALIAS, SCORES, VIEW, op_facts
+from memprof.collect.cpu.op_facts import (
+    FP32,
+    FUSED,
+    HALF,
+    LOSS,
+    MAY_ALIAS,
+    SCORES,
+    VIEW,
+    op_facts,
+)
 from memprof.collect.cpu.score_ops import is_square, is_vocabulary_wide
 from memprof.collect.cpu.storage_resize import ResizeWatch
 from memprof.collect.frames import StackCapture
@@ -140,13 +149,17 @@ class StorageTracker(_PlainMode):
         self.scope: Callable[[], str | None] | None = None  # the module allocating now
         self.square_scores: set[int] = set()  # id(alloc event) of T x T outputs of SCORE_OPS
         self.log_probabilities: set[int] = set()  # of vocabulary-wide outputs of LOSS_OPS
+        # of fp32 allocations CUDA autocast would make in half precision, and of those it
+        # would cast to half copies for an op it runs in half (which saves the copies)
+        self.halves: set[int] = set()
+        self.half_copies: set[int] = set()
         # id(alloc event) -> what it gives up to communication, where a collective made it
         self.communication: dict[int, tuple[str, ...]] = {}
         self.fused_attention = False  # a scaled_dot_product_attention kernel ran
         # what is keyed by id(alloc event): purged when the ring buffer drops the event
         self.per_event: list[dict[int, Any] | set[int]] = [
             self.known, self.modules, self.square_scores, self.log_probabilities,
-            self.communication]
+            self.halves, self.half_copies, self.communication]
         self._collective_code: dict[CodeType, tuple[str, ...] | None] = {}
         self._stacks = StackCapture()
         self._live: dict[int, _StorageRef] = {}
@@ -265,6 +278,7 @@ class StorageTracker(_PlainMode):
             frame = None
             inputs = None
             facts = op_facts(func)
+            new: list[int] = []  # the fp32 allocations it made
             for t in (out,) if type(out) is torch.Tensor else tensors_in(out):
                 for st in storages_behind(t):
                     key = st._cdata
@@ -289,6 +303,10 @@ class StorageTracker(_PlainMode):
                     self._alloc(st, key, frame)
                     if facts & (SCORES | FUSED | LOSS):
                         self._classify(facts, t)
+                    if t.dtype is torch.float32:
+                        new.append(id(self.events[-1]))
+            if (new or facts & HALF) and not facts & FP32 and torch.is_grad_enabled():
+                self._note_half(facts & HALF, new, args, kwargs)
 
     def _trim(self) -> list[int]:
         """Drop the oldest events down to ``max_entries``, but for the alloc events of blocks
@@ -321,6 +339,21 @@ class StorageTracker(_PlainMode):
         self.dropped += len(dropped)
         self._trim_at = int(max(len(self.events), self.max_entries) * (1 + _TRIM_SLACK))
         return dropped
+
+    def _note_half(self, half: int, new: list[int], args: tuple, kwargs: dict) -> None:
+        """What CUDA autocast would keep in half precision (``autocast_ops.py``): the outputs
+        of an op it runs in half, and of another op whose floating inputs all are
+        (``halves``); the fp32 inputs it casts for an op it runs in half, which saves the
+        half copies (``half_copies``)."""
+        tensors = tensors_in(args) + (tensors_in(tuple(kwargs.values())) if kwargs else [])
+        refs = [self._live.get(st._cdata) for t in tensors
+                if t.dtype is torch.float32 and t.dim() for st in storages_behind(t)]
+        inputs = [id(ref.event) for ref in refs if ref is not None]
+        if half:
+            self.half_copies.update(i for i in inputs if i not in self.halves)
+            self.halves.update(new)
+        elif inputs and all(i in self.halves for i in inputs):
+            self.halves.update(new)
 
     def _classify(self, facts: int, t: torch.Tensor) -> None:
         """Note what the new allocation's op (``op_facts``) tells the savings models."""

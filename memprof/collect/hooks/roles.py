@@ -96,7 +96,8 @@ class RoleHooks:
             if len(self._modules):  # else the script's objects are gone: keep the last facts
                 self.model = self._model_facts()
             if self.model:
-                self.model.update(self._forward.facts(self._fused_attention()))
+                self.model.update(self._forward.facts(self._fused_attention()),
+                                  ops_traced=self._traces_ops())
             # a seen module's submodules too: those whose forward never ran (a run that
             # ended early), made by to_empty from the meta device, were never marked
             marked: set[int] = set()
@@ -139,6 +140,11 @@ class RoleHooks:
 
     def _fused_attention(self) -> bool:
         """Whether a ``scaled_dot_product_attention`` kernel ran (unknown here: False)."""
+        return False
+
+    def _traces_ops(self) -> bool:
+        """Whether the run's operators are seen, so that what they made is tagged (attention
+        scores, log-probabilities, autocast's half precision): not here."""
         return False
 
     def _mark_param(self, p: torch.Tensor) -> None:
