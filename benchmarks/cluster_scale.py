@@ -65,9 +65,8 @@ def main() -> None:
                  "parameters GiB (at the peak / 4P/W)",
                  "optimizer state GiB (at the peak / 8P/W)"], rows,
                 "Whole `memprof run --nproc-per-node` command, one run each: the launcher and"
-                " a process per rank run, as many at a time as the machine has cores (no more"
-                " start once one has failed: the out-of-memory case stops after the first"
-                " two); peak RSS is the largest process's. At the"
+                " a process per rank run, at once (as many as memory holds); peak RSS is the"
+                " largest process's. At the"
                 " peak: the worst rank's tensors' own bytes (report.json's"
                 " categories_requested; blocks round up), the first step's forward where the"
                 " run ran out of memory there, before any optimizer state. P: the model's"

@@ -322,6 +322,31 @@ print(f"rank {rank}: {sent[0]} {gathered}")
 """
 
 
+BROADCAST = """\
+import torch, torch.distributed as dist
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+torch.cuda.set_device(rank)
+sizes = torch.tensor([rank * 10 + 7, -1], device="cuda")  # small: it holds values
+dist.broadcast(sizes, src=0)
+print(f"rank {rank}: {sizes.tolist()}")
+"""
+
+
+@jobs
+def broadcast_every_rank(where: Path) -> Any:
+    (where / "broadcast.py").write_text(BROADCAST)
+    return memprof_run(where, "--nproc-per-node", "3", "-o", where / "out", "--no-timeline",
+                       "broadcast.py")
+
+
+@jobs
+def objects_every_rank(where: Path) -> Any:
+    (where / "objects.py").write_text(OBJECTS)
+    return memprof_run(where, "--nproc-per-node", "3", "-o", where / "out", "--no-timeline",
+                       "objects.py")
+
+
 @jobs
 def objects_some_ranks(where: Path) -> Any:
     (where / "objects.py").write_text(OBJECTS)
@@ -461,6 +486,24 @@ def test_a_run_that_ends_inside_a_forward_holds_every_shard_and_its_gathered_uni
             sum(numel(s, world * padded_rows(s[0], world)) for s in [*first, *second])
             + sum(numel(s, s[0]) for s in second))
         assert at_peak["other"] == 0
+
+
+def test_a_broadcast_gives_every_rank_the_roots_small_values(runs: dict[str, Future[Any]]
+                                                             ) -> None:
+    """As on a cluster, and as DeepSpeed's checks that the ranks agree read them: a small
+    tensor's values (which a virtual tensor holds) come from the root."""
+    result = runs["broadcast_every_rank"].result()
+    assert result.code == 0, result.stderr[-3000:]
+    assert sorted(result.stdout.splitlines()) == [f"rank {r}: [7, -1]" for r in range(3)]
+
+
+def test_every_rank_exchanges_its_objects(runs: dict[str, Future[Any]]) -> None:
+    """Ranks that exchange objects wait for each other: they all run at once (more ranks
+    than cores, here), as on a cluster."""
+    result = runs["objects_every_rank"].result()
+    assert result.code == 0, result.stderr[-3000:]
+    assert sorted(result.stdout.splitlines()) == [
+        f"rank {r}: {{'from': 0}} [0, 1, 2]" for r in range(3)]
 
 
 def test_an_object_from_a_rank_not_run_is_this_ranks_own(runs: dict[str, Future[Any]]

@@ -8,7 +8,6 @@ whole run (``report/cluster.py``) and exits with the first failed rank's code.
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -56,7 +55,7 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     ranks_word = f"{world} rank{'s' * (world > 1)}"
     if ranks.chosen is not None:
         ranks_word = f"ranks {ranges(ranks.chosen)} of {world} (--ranks)"
-    # ranks on virtual cards wait for no other: as many at a time as the machine holds
+    # ranks on virtual cards wait for no other's tensors: as many at once as memory holds
     at_once = _at_once() if card is not None else None
     paced = f", {at_once} at a time" if at_once and at_once < len(running) else ""
     notes.print(plain(f"memprof: {ranks_word} ({layout}), each a process of its own on"
@@ -88,10 +87,9 @@ RANK_BYTES = 1 << 30  # a rank's process on a virtual card: torch, the script, t
 
 
 def _at_once() -> int:
-    """How many ranks on virtual cards run at once: one per core, as memory allows."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else os.cpu_count() or 1
-    return max(1, min(cores, _available() // RANK_BYTES))
+    """How many ranks on virtual cards run at once: as many as memory holds. (Not one per
+    core: ranks that exchange objects, ``all_gather_object``, wait for each other.)"""
+    return max(1, _available() // RANK_BYTES)
 
 
 def _available() -> int:

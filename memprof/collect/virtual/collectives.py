@@ -11,7 +11,9 @@ exchanged (values are not there to exchange), so no backend is called: the opera
 the caller's tensors and a ``Work`` whose future holds them, as NCCL's does (DDP's reducer
 reads its buckets back from that future). A small tensor's values (``values.py``) follow PyTorch's
 ``FakeProcessGroup``: an all-gather copies this rank's input to every rank's slot, an
-in-place reduction or broadcast keeps this rank's values, any other output loses them.
+in-place reduction keeps this rank's values, any other output loses them; a broadcast's
+come from its root through the group's store (``objects.py``), as checks that the ranks
+agree (DeepSpeed's) read them.
 
     if func in COLLECTIVES:
         return collective(func, args, on_card)  # on_card: a meta tensor made a card's
@@ -42,6 +44,7 @@ _IN_PLACE = _ops("allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_", 
 _GATHERS = _ops("allgather_", "_allgather_base_", "allgather_coalesced_",
                 "allgather_into_tensor_coalesced_")
 _NOTHING_WRITTEN = _ops("barrier", "monitored_barrier_")
+_BROADCASTS = _ops("broadcast_")
 _WORK = "Work"
 
 
@@ -54,6 +57,10 @@ def collective(func: torch._ops.OpOverload, args: tuple,
     written = [] if func in _NOTHING_WRITTEN else args[0]
     group = _group(args)
     world = group.size() if group is not None else 1
+    if func in _BROADCASTS:  # the root's small values, as a card's broadcast moves them
+        from memprof.collect.virtual.objects import broadcast_values
+
+        broadcast_values(group, args[2], _flat(written))
     _values(func, written, args[1] if func in _GATHERS else None, world)
     held = _flat(written)  # what the work's future holds
     if _over_nccl(group) and func in _FLATTENS and _same_size(args[_FLATTENS[func]][0]):

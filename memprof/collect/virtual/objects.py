@@ -31,6 +31,8 @@ from memprof.collect.launch.ranks import RANKS_RUN
 from memprof.collect.notices import say
 
 _PREFIX = "memprof-objects"
+# set by memprof's launcher and torchrun's agent: every rank a process, meeting at its store
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 class ObjectCollectives:
@@ -149,6 +151,32 @@ class ObjectCollectives:
                 " taken to send what the receiving rank sends, and a broadcast or scatter"
                 " from one leaves the receiving rank's objects as they were")
         return False
+
+
+_broadcasts: dict[str, int] = {}  # per group: tensor broadcasts so far
+
+
+def broadcast_values(group: Any, root: int, tensors: list[torch.Tensor]) -> None:
+    """A tensor broadcast's small values (``values.py``) from ``root`` (a group rank)
+    through the group's store, as the objects go: the root's are set, a receiving rank's
+    replaced where the root runs (``--ranks``) and its tensor holds values of that shape."""
+    entry = c10d._world.pg_map.get(group) if group is not None else None
+    if entry is None or os.environ.get(AGENT_STORE) != "True":
+        return  # no launcher's store: the other ranks are no processes (one's own group)
+    name = group.group_name
+    _broadcasts[name] = n = _broadcasts.get(name, 0) + 1
+    key, store = f"{_PREFIX}/values/{name}/{n}", entry[1]
+    if group.rank() == root:
+        store.set(key, pickle.dumps([getattr(t, "value", None) for t in tensors]))
+        return
+    run = os.environ.get(RANKS_RUN)
+    if not any(getattr(t, "value", None) is not None for t in tensors) or (
+            run is not None and str(dist.get_global_rank(group, root)) not in run.split(",")):
+        return
+    for t, value in zip(tensors, pickle.loads(store.get(key)), strict=False):
+        if isinstance(value, torch.Tensor) and getattr(t, "value", None) is not None \
+                and value.shape == t.shape:
+            t.value = value
 
 
 def _bound(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
