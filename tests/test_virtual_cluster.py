@@ -235,6 +235,14 @@ def test_fsdp1_holds_each_units_flat_parameter_divided_as_its_strategy_shards_it
     shards = [-(-n // shard_over) for n in units]
     assert [p.numel() for p in model.parameters()] == shards
     assert torch.cuda.memory_allocated() == sum(block(n * F32) for n in shards)
+    from memprof.collect.hooks.parallelism import parallelism
+
+    assert parallelism(model.modules()) == {"strategies": [f"fsdp1:{strategy.lower()}"],
+                                            "meshes": []}
+    from memprof.collect.hooks.parallelism import parallelism
+
+    assert parallelism(model.modules()) == {"strategies": [f"fsdp1:{strategy.lower()}"],
+                                            "meshes": []}
 
 
 @pytest.mark.parametrize("group", [(1, 4)], indirect=True)
@@ -311,6 +319,7 @@ def fsdp_some_ranks(where: Path) -> tuple[Any, Path]:
 
 
 OBJECTS = """\
+import sys
 import torch.distributed as dist
 dist.init_process_group("nccl")
 rank = dist.get_rank()
@@ -318,18 +327,18 @@ sent = [{"from": rank}] if rank == 0 else [None]
 dist.broadcast_object_list(sent, src=0)
 gathered = [None] * dist.get_world_size()
 dist.all_gather_object(gathered, rank)
-print(f"rank {rank}: {sent[0]} {gathered}")
+sys.stdout.write(f"rank {rank}: {sent[0]} {gathered}\\n")  # one write: ranks share the pipe
 """
 
 
 BROADCAST = """\
-import torch, torch.distributed as dist
+import sys, torch, torch.distributed as dist
 dist.init_process_group("nccl")
 rank = dist.get_rank()
 torch.cuda.set_device(rank)
 sizes = torch.tensor([rank * 10 + 7, -1], device="cuda")  # small: it holds values
 dist.broadcast(sizes, src=0)
-print(f"rank {rank}: {sizes.tolist()}")
+sys.stdout.write(f"rank {rank}: {sizes.tolist()}\\n")  # one write: ranks share the pipe
 """
 
 
@@ -440,6 +449,9 @@ def test_every_fsdp2_rank_holds_its_shard_and_the_answer_comes_first(
     summary = report(out, "cluster.json")  # the whole run, as the console answered it
     assert (summary["schema"], summary["world_size"], summary["nodes"], summary["answer"],
             summary["worst_rank"]) == ("memprof.cluster/1", world, 1, lines[answer], 0)
+    # fully_shard over the default mesh of the world
+    assert summary["parallelism"] == {"strategies": ["fsdp2"],
+                                      "meshes": [{"shape": [world], "dims": []}]}
     assert [(r["rank"], r["report"], r["peak_reserved_bytes"]) for r in summary["ranks"]] == [
         (r, f"rank-{r}/report.json",
          report(out / f"rank-{r}")["devices"][0]["peak"]["reserved_bytes"])
@@ -548,6 +560,7 @@ def test_ddp_under_torchrun_holds_the_full_model_per_rank(runs: dict[str, Future
         assert (at_peak["parameters"], at_peak["gradients"], at_peak["optimizer_state"]) == (
             F32 * params, F32 * params, 2 * F32 * params)
         assert at_peak["communication"] == F32 * params  # DDP's one bucket beside the gradients
+        assert data["run"]["model"]["parallelism"] == {"strategies": ["ddp"], "meshes": []}
 
 
 def test_a_world_of_one_is_the_single_gpu_run(runs: dict[str, Future[Any]]) -> None:

@@ -199,6 +199,8 @@ MODEL = record(
                               score_dtype=optional(TEXT), module=optional(TEXT))),
     eval_module=optional(TEXT), checkpointed=items(TEXT), loaded_state_dict=FLAG,
     ops_traced=FLAG,
+    parallelism=optional(record(strategies=items(TEXT), meshes=items(record(
+        shape=items(COUNT), dims=items(TEXT))))),
 )
 RUN = record(
     command=items(TEXT), started=TEXT, cwd=TEXT, torch_version=TEXT, device=TEXT,

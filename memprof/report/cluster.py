@@ -39,6 +39,7 @@ class RankPeak:
     exit: dict[str, Any] | None = None
     out_of_memory: bool = False
     card: str = ""  # the card it ran on, as its report names it
+    parallelism: dict[str, Any] | None = None  # its run.model.parallelism
 
     @property
     def on_card(self) -> int:
@@ -105,7 +106,8 @@ def _peak(rank: int, path: Path) -> RankPeak:
                      int(gpu.get("context_bytes", 0)), int(gpu.get("total_bytes", 0)),
                      int(run.get("optimizer_steps") or 0), run.get("exit"),
                      any(d.get("oom") for d in devices),
-                     str(gpu.get("spec") or run.get("device") or ""))
+                     str(gpu.get("spec") or run.get("device") or ""),
+                     (run.get("model") or {}).get("parallelism"))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return RankPeak(rank, None)
 
@@ -128,6 +130,8 @@ def cluster_summary(cluster: Cluster, nodes: int, per_node: int) -> dict[str, An
         "ranks_per_node": per_node, "card": cluster.card or None, "answer": answer(cluster),
         "worst_rank": worst.rank if worst is not None else None,
         "reserved_spread_bytes": spread, "not_counted": [NOT_COUNTED],
+        # how the model is spread: the strategies and meshes the first rank's saw
+        "parallelism": next((r.parallelism for r in written if r.parallelism), None),
         "ranks_run": [r.rank for r in cluster.ranks],
         "ranks": [{
             "rank": r.rank,

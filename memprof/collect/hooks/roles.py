@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from memprof.collect.hooks.block_saves import BlockSaves
 from memprof.collect.hooks.forward_facts import ForwardFacts
 from memprof.collect.hooks.model_facts import model_facts
+from memprof.collect.hooks.parallelism import parallelism
 from memprof.collect.hooks.step_pace import END, MOVE, StepPace
 from memprof.collect.hooks.weak_ids import WeakIdMap
 from memprof.collect.tensors import tensors_in
@@ -210,7 +211,7 @@ class RoleHooks:
     def _model_facts(self) -> dict[str, Any]:
         return {**model_facts(self._modules, self._optimizers, self._autocast,
                               self._blocks.facts()),
-                "trainer": self._trainer}
+                "trainer": self._trainer, "parallelism": parallelism(self._modules)}
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         if self._trainer is None and not self._optimizers:  # the first step says

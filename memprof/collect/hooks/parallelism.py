@@ -1,0 +1,49 @@
+"""How a run's model is spread over its GPUs, read from the modules and parameters the
+hooks saw: the wrappers and strategies (DDP, FSDP1 with its sharding strategy, FSDP2's
+``fully_shard``, DeepSpeed's engine with its ZeRO stage) and the device meshes its DTensor
+parameters live on (FSDP2, tensor parallel, HSDP: their shape and dimension names).
+
+    parallelism(modules)  # {"strategies": ["fsdp2"], "meshes": [{"shape": [8], ...}]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
+    """``run.model.parallelism`` (JSON-ready), or None for a model on one GPU."""
+    strategies: set[str] = set()
+    meshes: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for module in modules:
+        strategy = _strategy(module)
+        if strategy is not None:
+            strategies.add(strategy)
+        for p in module.parameters(recurse=False):
+            mesh = getattr(p, "device_mesh", None)  # a DTensor's
+            if mesh is not None:
+                names = list(mesh.mesh_dim_names or [])
+                meshes.setdefault((tuple(mesh.shape), tuple(names)),
+                                  {"shape": list(mesh.shape), "dims": names})
+    if not strategies and not meshes:
+        return None
+    return {"strategies": sorted(strategies), "meshes": list(meshes.values())}
+
+
+def _strategy(module: torch.nn.Module) -> str | None:
+    """What ``module`` is, by its class's name (no distributed module imported)."""
+    names = {cls.__name__ for cls in type(module).__mro__}
+    if "DistributedDataParallel" in names:
+        return "ddp"
+    if "FullyShardedDataParallel" in names:
+        strategy = getattr(module, "sharding_strategy", None)
+        return f"fsdp1:{getattr(strategy, 'name', 'unknown').lower()}"
+    if "FSDPModule" in names:
+        return "fsdp2"
+    if "DeepSpeedEngine" in names:
+        stage = getattr(module, "zero_optimization_stage", None)
+        return f"deepspeed:zero{stage()}" if callable(stage) else "deepspeed"
+    return None
