@@ -97,10 +97,9 @@ def _measured(ctx: Context, blocks: list[dict[str, Any]]) -> list[Remedy]:
                 f" saved (of {format_bytes(saved['forward_bytes'])} the forward saved), and"
                 " checkpointing keeps their inputs"
                 f" ({format_bytes(saved['kept_inputs_bytes'])})")
-    remedies = [Remedy(
-        "checkpoint_blocks", f"activation checkpointing of each {name} ({n} blocks)",
-        "checkpointing", 6, "compute: one more forward of each block in backward (~30%)",
-        SEEDS["003"], f"{measured}; one block's saves are recomputed at a time (the largest:"
+    remedies = [_each_block(
+        f"activation checkpointing of each {name} ({n} blocks)",
+        f"{measured}; one block's saves are recomputed at a time (the largest:"
         f" {format_bytes(saved['largest_call_bytes'])})",
         _dropping(_frees(best), _recomputed(best), saved["forward_bytes"]),
         _library_snippet(ctx, name) if library else _checkpoint_snippet(best),
@@ -131,10 +130,8 @@ def _library_switch(ctx: Context, blocks: list[dict[str, Any]]) -> Remedy:
     names = [b["class"] for b in blocks]
     inside = sum(b["saved"]["inside_bytes"] for b in blocks)
     listed = ", ".join(f"{b['count']} {b['class']}" for b in blocks)
-    return Remedy(
-        "checkpoint_blocks", f"activation checkpointing of the model's blocks ({listed})",
-        "checkpointing", 6, "compute: one more forward of each block in backward (~30%)",
-        SEEDS["003"],
+    return _each_block(
+        f"activation checkpointing of the model's blocks ({listed})",
         f"{ctx.model_library} checkpoints these classes (measured in the run's first"
         f" training forward: they saved {format_bytes(inside)}"
         " for backward that nothing outside them saved, of"
@@ -143,6 +140,14 @@ def _library_switch(ctx: Context, blocks: list[dict[str, Any]]) -> Remedy:
         _dropping(freed, recomputed, blocks[0]["saved"]["forward_bytes"]),
         _library_snippet(ctx, names[0] if len(names) == 1 else " and ".join(names)),
         {"checkpoint": names})
+
+
+def _each_block(title: str, assumptions: str, change: Callable[[Peak], Peak], snippet: str,
+                verify: dict[str, Any]) -> Remedy:
+    """Checkpointing each block of some classes: one recomputation of each in backward."""
+    return Remedy("checkpoint_blocks", title, "checkpointing", 6,
+                  "compute: one more forward of each block in backward (~30%)", SEEDS["003"],
+                  assumptions, change, snippet, verify)
 
 
 def _library_snippet(ctx: Context, name: str) -> str:
@@ -180,10 +185,9 @@ def _assumed(ctx: Context, block: dict[str, Any]) -> list[Remedy]:
     held = (f"{shares[ACTIVATIONS]:.0%} of the activations and {shares[TEMPORARIES]:.0%} of"
             " the temporaries at the peak (as memprof run attributed them to modules)"
             if ctx.block_shares else "the activations and temporaries at the peak")
-    return [Remedy(
-        "checkpoint_blocks", f"activation checkpointing of each {name} ({n} blocks)",
-        "checkpointing", 6, "compute: one more forward of each block in backward (~30%)",
-        SEEDS["003"], f"assumed (a report without the blocks' measurements): {held} are the"
+    return [_each_block(
+        f"activation checkpointing of each {name} ({n} blocks)",
+        f"assumed (a report without the blocks' measurements): {held} are the"
         f" {n} {name} blocks', evenly; a block's input is {BLOCK_INPUT_SHARE:.0%} of what it"
         " saves; one block's activations are recomputed at a time",
         keeping(n),

@@ -9,10 +9,8 @@ does on the virtual GPU.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from memprof.advise.rerun import Rerun
@@ -21,7 +19,7 @@ from memprof.collect.launch.script import Target
 from memprof.collect.virtual.cards import Card, parse_spec
 from memprof.collect.virtual.need import NEED_FOLDER, Need, predict_need
 from memprof.errors import MemprofError
-from memprof.report.files import write_atomic
+from memprof.report.json import write_json
 from memprof.report.units import format_bytes
 
 
@@ -66,9 +64,5 @@ def predict(run: Run, rerun: Rerun) -> dict[str, Any]:
                         (run.path.parent / NEED_FOLDER).resolve(), rerun.cwd,
                         oom.get("limit_bytes"))
     facts = need.as_dict() if isinstance(need, Need) else {"unknown": need}
-    data = {**run.report, "run": {**run.facts, "need": facts}}
-
-    def write(path: Path) -> None:
-        path.write_text(json.dumps(data, indent=2))
-    write_atomic(run.path, write, overwrite=True)
+    write_json({**run.report, "run": {**run.facts, "need": facts}}, run.path, overwrite=True)
     return facts

@@ -345,8 +345,7 @@ class StorageTracker(_PlainMode):
         of an op it runs in half, and of another op whose floating inputs all are
         (``halves``); the fp32 inputs it casts for an op it runs in half, which saves the
         half copies (``half_copies``)."""
-        tensors = tensors_in(args) + (tensors_in(tuple(kwargs.values())) if kwargs else [])
-        refs = [self._live.get(st._cdata) for t in tensors
+        refs = [self._live.get(st._cdata) for t in _input_tensors(args, kwargs)
                 if t.dtype is torch.float32 and t.dim() for st in storages_behind(t)]
         inputs = [id(ref.event) for ref in refs if ref is not None]
         if half:
@@ -366,10 +365,7 @@ class StorageTracker(_PlainMode):
 
     @staticmethod
     def _input_keys(args: tuple, kwargs: dict) -> set[int]:
-        tensors = tensors_in(args)
-        if kwargs:
-            tensors += tensors_in(tuple(kwargs.values()))
-        return {st._cdata for t in tensors for st in storages_behind(t)}
+        return {st._cdata for t in _input_tensors(args, kwargs) for st in storages_behind(t)}
 
     def _op_frame(self) -> FrameType | None:
         # 0: _op_frame, 1: _record, 2: __torch_dispatch__, then torch's wrappers, if any.
@@ -446,3 +442,8 @@ class StorageTracker(_PlainMode):
 
     def _now_us(self) -> int:
         return self._epoch_us + (time.perf_counter_ns() - self._origin_ns) // 1000
+
+
+def _input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an operator's arguments."""
+    return tensors_in(args) + (tensors_in(tuple(kwargs.values())) if kwargs else [])

@@ -40,8 +40,7 @@ class ObjectCollectives:
 
     def __init__(self) -> None:
         self._calls: dict[str, int] = {}  # per group: object collectives so far
-        run = os.environ.get(RANKS_RUN)
-        self._run = None if run is None else {int(r) for r in run.split(",")}
+        self._run = _ranks_run()
         self._told = False
 
     def patches(self) -> dict[tuple[Any, str], Callable[..., Any]]:
@@ -169,14 +168,20 @@ def broadcast_values(group: Any, root: int, tensors: list[torch.Tensor]) -> None
     if group.rank() == root:
         store.set(key, pickle.dumps([getattr(t, "value", None) for t in tensors]))
         return
-    run = os.environ.get(RANKS_RUN)
+    run = _ranks_run()
     if not any(getattr(t, "value", None) is not None for t in tensors) or (
-            run is not None and str(dist.get_global_rank(group, root)) not in run.split(",")):
+            run is not None and dist.get_global_rank(group, root) not in run):
         return
     for t, value in zip(tensors, pickle.loads(store.get(key)), strict=False):
         if isinstance(value, torch.Tensor) and getattr(t, "value", None) is not None \
                 and value.shape == t.shape:
             t.value = value
+
+
+def _ranks_run() -> set[int] | None:
+    """The ranks of the world that run, where ``--ranks`` chose some (None: all)."""
+    run = os.environ.get(RANKS_RUN)
+    return None if run is None else {int(r) for r in run.split(",")}
 
 
 def _bound(signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
