@@ -134,6 +134,7 @@ def test_suggest_predicts_what_a_real_gpus_run_needs(
     lower = run_python(["-m", "memprof", "suggest", on_a_gpu, "--budget", "2GiB"],
                        on_a_gpu.parent)
     assert "--predict" in lower.stdout and "lower bound" in lower.stdout
+    assert lower.code == 1  # what it needs is unknown: never "fits"
     advised = run_python(["-m", "memprof", "suggest", on_a_gpu, "--budget", "2GiB", "--predict",
                           "--json"], on_a_gpu.parent)
     assert advised.code == 0, advised.stderr[-2000:]
@@ -158,3 +159,16 @@ def test_predict_is_for_a_run_that_ran_out_of_memory(runs: tuple[Path, Result, P
     assert refused.code == 2
     assert refused.stderr.strip().count("\n") == 0
     assert "--predict tells what a run that ran out of memory needs" in refused.stderr
+
+
+def test_a_snapshot_that_ran_out_of_memory_is_a_lower_bound(tmp_path: Path) -> None:
+    """A real GPU's out-of-memory snapshot: never "within the budget", and no command to
+    re-run for --predict (one line, exit 2)."""
+    snapshot = Path(__file__).parent / "fixtures" / "gpu" / "oom" / "oom-snapshot.pickle"
+    advised = run_python(["-m", "memprof", "suggest", snapshot, "--budget", "100GB"], tmp_path)
+    assert advised.code == 1, advised.stderr[-2000:]
+    assert "lower bound" in advised.stdout and "Already within the budget" not in advised.stdout
+    refused = run_python(["-m", "memprof", "suggest", snapshot, "--budget", "100GB",
+                          "--predict"], tmp_path)
+    assert refused.code == 2 and refused.stderr.strip().count("\n") == 0
+    assert "a snapshot records no command to re-run" in refused.stderr

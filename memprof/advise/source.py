@@ -104,7 +104,11 @@ def _from_snapshot(path: Path) -> Run:
     data = report_dict(findings, "explain")
     if not data["devices"]:
         raise MemprofError(f"{path}: the snapshot is empty; nothing to advise on")
-    return Run(path, data, _largest(data["devices"]), path, True)
+    ran_out = any(d.get("oom") for d in data["devices"])
+    return Run(path, data, _largest(data["devices"]), path, True,
+               "The snapshot ran out of memory, so its peak is a lower bound of what the run"
+               " needs (memprof run of its script tells it); the savings below are of"
+               " what ran." if ran_out else None, ran_out)
 
 
 def _largest(devices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -64,7 +64,8 @@ def suggest(
     Savings come from the run's own breakdown (parameters, gradients, optimizer state,
     activations, temporaries, the allocator's cache) and its model facts (parameter counts,
     optimizer, repeated blocks); each model's assumptions are printed with the plan.
-    Exit 0 when the plan fits (or the run already does), 1 when nothing fits, 2 on bad
+    Exit 0 when the plan fits (or the run already does), 1 when nothing fits or what the
+    run needs is unknown (it ran out of memory and was not re-run: --predict), 2 on bad
     input.
 
     Examples: `memprof suggest --budget 24GB`, `memprof suggest reports/train-1/ --budget
@@ -131,8 +132,9 @@ def suggest(
         render(advice, Console(soft_wrap=True), measured, batch)
     from memprof.advise.render import plan_fits
 
-    fits = (advice.start.reserved <= chosen.bytes and not advice.run.lower_bound) \
-        or plan_fits(advice, measured or {})
+    # a peak that is a lower bound (an out-of-memory run not re-run) never fits: unknown
+    fits = not advice.run.lower_bound and (advice.start.reserved <= chosen.bytes
+                                           or plan_fits(advice, measured or {}))
     raise typer.Exit(0 if fits else 1)
 
 
@@ -142,6 +144,9 @@ def _predicted(run: Run, source: Path, rerun_command: str | None, notes: Console
     from memprof.advise.rerun import Rerun, given_command
     from memprof.advise.source import load_run
 
+    if run.snapshot == run.path:  # a plain snapshot: no command was recorded
+        raise MemprofError(f"{run.path}: a snapshot records no command to re-run; give"
+                           " --predict the run folder memprof run wrote")
     if not run.out_of_memory:
         raise MemprofError(f"{run.path}: --predict tells what a run that ran out of memory"
                            " needs; this run did not, so its peak is what it needs")
