@@ -514,6 +514,7 @@ def test_ranks_are_chosen_among_the_worlds_on_virtual_cards_only(tmp_path: Path)
 
     card = parse_spec("H100")
     assert cluster_ranks(2, 4, "0-2,7, 5", card).running == (0, 1, 2, 5, 7)
+    assert cluster_ranks(1, 2, "1,0", card).chosen is None  # every rank: the whole world
     for chosen, error in (("4", "--ranks 4: '4' is not within ranks 0-3"),
                           ("a", "'a' is not a rank or a range"),
                           ("3-1", "'3-1' is not within ranks 0-3")):

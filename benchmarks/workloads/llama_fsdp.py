@@ -26,6 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 PRESETS = {
     "tiny": {"dim": 256, "layers": 2, "heads": 8, "kv_heads": 2, "ffn": 768, "vocab": 1024},
+    "small": {"dim": 1024, "layers": 4, "heads": 16, "kv_heads": 4, "ffn": 2816,
+              "vocab": 32000},
     "8b": {"dim": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336,
            "vocab": 128256},
     "70b": {"dim": 8192, "layers": 80, "heads": 64, "kv_heads": 8, "ffn": 28672,
@@ -101,6 +103,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--checkpoint", action="store_true",
                         help="recompute each decoder block in backward")
+    parser.add_argument("--adamw", choices=("fused", "foreach"), default="fused",
+                        help="AdamW's implementation")
     args = parser.parse_args()
     dist.init_process_group("nccl")
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -122,7 +126,8 @@ def main() -> None:
                              1.0 / 500000.0 ** (torch.arange(half, device="cuda") / half))
         model.cos.copy_(angles.cos()[None, :, None, :])
         model.sin.copy_(angles.sin()[None, :, None, :])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4,
+                                  **{args.adamw: True})
     for step in range(args.steps):
         tokens = torch.randint(0, shape["vocab"], (args.batch, args.seq + 1), device="cuda")
         logits = model(tokens[:, :-1])

@@ -33,9 +33,10 @@ def cluster_ranks(nodes: int, per_node: int, chosen: str | None, card: Card | No
         raise MemprofError("--ranks runs some ranks on virtual cards only: on GPUs every rank"
                            " of the world must run for their collectives to meet")
     try:
-        return Ranks(nodes, per_node, parse_ranks(chosen, nodes * per_node))
+        running = parse_ranks(chosen, nodes * per_node)
     except ValueError as exc:
         raise MemprofError(f"--ranks {plain(chosen)}: {exc}") from None
+    return Ranks(nodes, per_node, running if len(running) < nodes * per_node else None)
 
 
 def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None,
@@ -76,8 +77,8 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
                       f" {cluster.card or 'the GPUs'}"))
     render_cluster(cluster, notes)
     notes.print()
-    notes.print(plain(f"Run folder: {folder}/ (rank-K/, a run folder per rank, and"
-                      f" {CLUSTER_FILE})"))
+    inside = "rank-K/, a run folder per rank" if world > 1 else "the rank's report"
+    notes.print(plain(f"Run folder: {folder}/ ({inside}, and {CLUSTER_FILE})"))
     notes.print(plain(f"Next: memprof explain {folder}"))
     failed = [e for e in exits if e.code and not e.stopped]
     return _exit_code(failed[0].code) if failed else 0
