@@ -239,10 +239,6 @@ def test_fsdp1_holds_each_units_flat_parameter_divided_as_its_strategy_shards_it
 
     assert parallelism(model.modules()) == {"strategies": [f"fsdp1:{strategy.lower()}"],
                                             "meshes": []}
-    from memprof.collect.hooks.parallelism import parallelism
-
-    assert parallelism(model.modules()) == {"strategies": [f"fsdp1:{strategy.lower()}"],
-                                            "meshes": []}
 
 
 @pytest.mark.parametrize("group", [(1, 4)], indirect=True)
@@ -379,6 +375,15 @@ def ddp_torchrun(where: Path) -> tuple[Any, Path]:
     return run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                        "-m", "memprof", "run", "-o", out, "--no-timeline",
                        SAMPLES / "ddp.py", *SIZE], where), out
+
+
+@jobs
+def fsdp_instead_of_ddp(where: Path) -> tuple[Any, Path]:
+    """The DDP sample with suggest's remedy applied: FSDP FULL_SHARD, the model one unit."""
+    out = where / "out"
+    return run_python(["-m", "memprof", "run", "--nproc-per-node", "2", "-o", out,
+                       "--no-timeline", SAMPLES / "ddp.py", *SIZE], where,
+                      env={"MEMPROF_APPLY": '{"shard": "FULL_SHARD", "units": []}'}), out
 
 
 @jobs
@@ -582,6 +587,76 @@ def test_a_rank_is_re_run_with_its_world(runs: dict[str, Future[Any]]) -> None:
         recorded.at_peak, recorded.at_step, recorded.reserved)
     whole = F32 * sum(numel(s, s[0]) for s in shapes())
     assert measured.at_peak[PARAMETERS] < whole  # a third of it, padded
+
+
+def test_a_rank_is_re_run_over_another_world_and_its_worst_rank_measured(
+        runs: dict[str, Future[Any]]) -> None:
+    """suggest --gpus 6 of the FSDP2 sample over 3 GPUs: its estimate shards the model state
+    6 ways instead of 3, and the world of 6 re-run (ranks 0 and 5 on virtual cards) holds
+    each parameter's rows padded to a multiple of 6, divided by 6."""
+    from memprof.advise.advice import advise
+    from memprof.advise.budget import parse_budget
+    from memprof.advise.remedies import catalogue
+    from memprof.advise.rerun import Rank, Rerun
+    from memprof.advise.source import load_run
+    from memprof.advise.verify import measure_remedies
+    from memprof.trace.model import OPTIMIZER_STATE, PARAMETERS
+
+    _, out = runs["fsdp_cluster"].result()
+    run = load_run(out)
+    advice = advise(run, parse_budget("80GB"), 6)
+    (six,) = [r for r in catalogue(advice.start, advice.context) if r.key == "world_6"]
+    assert six.verify == {"world": 6}
+    now = advice.start
+    assert six.change(now).at_step[OPTIMIZER_STATE] == now.at_step[OPTIMIZER_STATE] // 2
+    # as many ranks a node as the run had (they divide 6): two nodes
+    assert Rank(1, 1, 3).options(["--virtual-gpu", "H100"], 6) == [
+        "--nnodes", "2", "--nproc-per-node", "3", "--ranks", "0,1,5"]
+    assert Rank(1, 1, 3).options(["--virtual-gpu", "H100"], 4)[:4] == [
+        "--nnodes", "1", "--nproc-per-node", "4"]
+    measured = measure_remedies([six], Rerun.of(run), lambda what: None)
+    shards = [block(F32 * numel(s, padded_rows(s[0], 6))) for s in shapes()]
+    assert measured["world_6"].at_peak[PARAMETERS] == sum(shards)
+
+
+def test_fsdp_instead_of_ddp_holds_a_shard_of_the_padded_flat_parameter(
+        runs: dict[str, Future[Any]]) -> None:
+    """suggest's FSDP-instead-of-DDP remedy, applied to the unmodified DDP sample over 2
+    ranks: one flat parameter of every weight (each starting at a 16-byte boundary, as
+    these do), padded to a multiple of 2 and halved; AdamW's two moments of the rank's own
+    elements; the gathered flat parameter is a communication buffer."""
+    result, out = runs["fsdp_instead_of_ddp"].result()
+    assert result.code == 0, result.stderr
+    flat = sum(numel(s, s[0]) for s in shapes())
+    assert all(numel(s, s[0]) % 4 == 0 for s in shapes()[:-1])  # fp32: 16-byte aligned
+    for rank in (0, 1):
+        device = report(out / f"rank-{rank}")["devices"][0]
+        held = device["categories_requested"]
+        own = min(-(-flat // 2), flat - rank * -(-flat // 2))
+        assert held["parameters"] == F32 * -(-flat // 2)
+        assert held["optimizer_state"] == 2 * F32 * own
+        assert device["category_peaks"]["communication"] >= F32 * 2 * -(-flat // 2)
+        assert report(out / f"rank-{rank}")["run"]["model"]["parallelism"]["strategies"] == [
+            "fsdp1:full_shard"]
+
+
+def test_a_ddp_rank_is_offered_fsdp_and_bucket_views_measured_by_re_running(
+        runs: dict[str, Future[Any]]) -> None:
+    from memprof.advise.advice import advise
+    from memprof.advise.budget import parse_budget
+    from memprof.advise.remedies import catalogue
+    from memprof.advise.source import load_run
+
+    _, out = runs["ddp_torchrun"].result()
+    advice = advise(load_run(out / "rank-0"), parse_budget("1GB"), 4)
+    offered = {r.key: r for r in catalogue(advice.start, advice.context)}
+    assert offered["fsdp_full_shard"].verify == {"shard": "FULL_SHARD", "units": []}
+    assert offered["fsdp_shard_grad_op"].verify == {"shard": "SHARD_GRAD_OP", "units": []}
+    assert offered["bucket_view"].verify == {"bucket_view": True}
+    # DDP shards nothing: more GPUs keep each rank's memory, and no ZeRO formula applies
+    assert not {"world_4", "zero_1", "zero_2", "zero_3"} & set(offered)
+    told = memprof_here(out.parent, "suggest", out, "--budget", "1GB", "--gpus", "4")
+    assert "--gpus 4: the run shards none of its model state" in told.stderr, told.stderr
 
 
 def test_the_answer_names_the_worst_rank_or_the_first_out_of_memory() -> None:

@@ -16,6 +16,7 @@ from memprof.advise.forward_remedies import forward_remedies
 from memprof.advise.peak import Peak
 from memprof.advise.precision import precision_remedies
 from memprof.advise.remedy import SEEDS, Context, Remedy
+from memprof.advise.sharding import sharding_remedies
 from memprof.analysis.blocks import MIN_BLOCK
 from memprof.collect.hooks.model_facts import SMALL_TENSOR
 from memprof.trace.model import (
@@ -38,7 +39,8 @@ def catalogue(peak: Peak, ctx: Context) -> list[Remedy]:
     found = precision_remedies(peak, ctx) + checkpoint_remedies(peak, ctx)
     if peak.busy:
         found += _micro_batches(ctx)
-    found += _optimizer_state(peak, ctx) + _sharding(peak, ctx) + _model_state(peak, ctx)
+    found += _optimizer_state(peak, ctx) + sharding_remedies(peak, ctx)
+    found += _model_state(peak, ctx)
     found += _allocator(peak, ctx) + _hygiene(peak, ctx)
     return found + forward_remedies(peak, ctx)
 
@@ -151,34 +153,6 @@ def _block(size: int) -> int:
     return max(MIN_BLOCK, -(-size // MIN_BLOCK) * MIN_BLOCK)
 
 
-def _sharding(peak: Peak, ctx: Context) -> list[Remedy]:
-    n = ctx.gpus
-    if n < 2 or not peak.at_step[PARAMETERS]:
-        return []
-    stages = (
-        (1, {OPTIMIZER_STATE: 1 / n}, "optimizer state"),
-        (2, {OPTIMIZER_STATE: 1 / n, GRADIENTS: 1 / n}, "optimizer state and gradients"),
-        (3, {OPTIMIZER_STATE: 1 / n, GRADIENTS: 1 / n, PARAMETERS: 1 / n},
-         "optimizer state, gradients and parameters"))
-    snippets = {
-        1: "from torch.distributed.optim import ZeroRedundancyOptimizer\n\n"
-           "optimizer = ZeroRedundancyOptimizer(model.parameters(),"
-           " optimizer_class=torch.optim.AdamW, lr=lr)",
-        2: 'ds_config = {"zero_optimization": {"stage": 2}}',
-        3: "from torch.distributed.fsdp import fully_shard\n\n"
-           "for module in model.modules():\n"
-           f"    if type(module).__name__ == {(ctx.block or {}).get('class', 'Block')!r}:\n"
-           "        fully_shard(module)\nfully_shard(model)"}
-    return [Remedy(
-        f"zero_{stage}", f"ZeRO-{stage}{' / FSDP' if stage == 3 else ''} over {n} GPUs",
-        "sharding", 6 + stage, f"infrastructure: {n} GPUs and their communication",
-        SEEDS["000"], f"{what} split {n} ways (ZeRO paper: per GPU"
-        f" {['4P + 12P/N', '2P + 14P/N', '16P/N'][stage - 1]} bytes of mixed-precision Adam"
-        " state); the parameters of the layer being computed, gathered, are not counted",
-        lambda p, f=factors: p.scaled(f), snippets[stage])
-        for stage, factors, what in stages]
-
-
 def _model_state(peak: Peak, ctx: Context) -> list[Remedy]:
     params = ctx.model.get("parameters", 0)
     trainable = ctx.model.get("trainable", params)
@@ -226,7 +200,7 @@ def _model_state(peak: Peak, ctx: Context) -> list[Remedy]:
 
 
 def _hygiene(peak: Peak, ctx: Context) -> list[Remedy]:
-    """Fixes that cost nothing: a leak, DDP's gradient buckets."""
+    """Fixes that cost nothing: a leak."""
     found = []
     leak = ctx.leak
     if leak and leak.get("growth_per_step_bytes"):
@@ -237,13 +211,6 @@ def _hygiene(peak: Peak, ctx: Context) -> list[Remedy]:
             f"the {grown:,} bytes it grew over the run are not held at the peak",
             lambda p: p.with_state(OTHER, -grown),
             "total_loss += loss.item()  # a float, not the tensor: a tensor keeps its graph"))
-    if ctx.world_size > 1 and peak.at_step[GRADIENTS]:
-        found.append(Remedy(
-            "bucket_view", "DDP gradient_as_bucket_view=True", "ddp", 1,
-            "none (gradients become views into DDP's buckets)", SEEDS["000"],
-            "DDP's bucket copy of the gradients (as large as the gradients) is not held",
-            lambda p: p.with_state(OTHER, -p.at_step[GRADIENTS]),
-            "model = DistributedDataParallel(model, gradient_as_bucket_view=True)"))
     return found
 
 

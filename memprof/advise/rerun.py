@@ -72,9 +72,11 @@ class Rerun:
         return rerun
 
     def peak(self, args: list[str] | None = None, apply: dict[str, Any] | None = None,
-             alloc_conf: str | None = None) -> Peak | None:
+             alloc_conf: str | None = None, world: int | None = None) -> Peak | None:
         """The peak of the run with the script's ``args`` replaced, remedies applied in the
-        script's process, or other allocator settings; None if it ran out of memory."""
+        script's process, other allocator settings, or (a rank of a distributed run) a
+        world of ``world`` ranks, where it is the worst rank's; None if it ran out of
+        memory."""
         target = self.target if args is None else [*self.target[:self.target.index(
             self.script) + 1], *args]
         conf = alloc_conf if alloc_conf is not None else self.alloc_conf
@@ -83,15 +85,15 @@ class Rerun:
             args = ["-m", "memprof", "run", "-o", str(out), "--no-timeline", "--no-need",
                     *self.where, *(["--steps", str(self.steps)] if self.steps else []),
                     *(["--alloc-conf", conf] if conf else []),
-                    *(self.rank.options(self.where) if self.rank else []), *target]
+                    *(self.rank.options(self.where, world) if self.rank else []), *target]
             env = {**os.environ, "MEMPROF_APPLY": json.dumps(apply or {})}
             done = warm.run(args, self.cwd or os.getcwd(), env)
-            report = (out if self.rank is None else out / f"rank-{self.rank.rank}") \
-                / "report.json"
-            if not report.is_file():
+            reports = [out / "report.json"] if self.rank is None else \
+                sorted(out.glob("rank-*/report.json"))
+            if not reports or not all(report.is_file() for report in reports):
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 raise MemprofError(f"re-running {' '.join(target)} failed: {_gist(last)}")
-            data = json.loads(report.read_text())
+            data = _worst([json.loads(report.read_text()) for report in reports])
         ended = data["run"]["exit"]
         if ended["status"] == "raised" and any(d.get("oom") for d in data["devices"]):
             return None
@@ -138,15 +140,34 @@ class Rank:
     nodes: int
     per_node: int
 
-    def options(self, where: list[str]) -> list[str]:
+    def options(self, where: list[str], world: int | None = None) -> list[str]:
         """The ``memprof run`` options that launch the world again: on virtual cards this
-        rank alone (``--ranks``), on GPUs every rank."""
+        rank alone (``--ranks``), on GPUs every rank. A world of another size (``world``)
+        keeps the ranks per node where they divide it (else one node) and runs its first
+        and last ranks and this one's index, where it still is one."""
         virtual = where[0] == "--virtual-gpu"
-        return ["--nnodes", str(self.nodes), "--nproc-per-node", str(self.per_node),
-                *(["--ranks", str(self.rank)] if virtual else [])]
+        nodes, per_node, ranks = self.nodes, self.per_node, str(self.rank)
+        if world is not None and world != nodes * per_node:
+            if not virtual:
+                raise MemprofError(f"a world of {world} ranks is re-run on virtual cards only:"
+                                   " this run's ranks ran on GPUs")
+            nodes, per_node = (world // per_node, per_node) if world % per_node == 0 \
+                else (1, world)
+            ranks = ",".join(map(str, sorted({0, min(self.rank, world - 1), world - 1})))
+        return ["--nnodes", str(nodes), "--nproc-per-node", str(per_node),
+                *(["--ranks", ranks] if virtual else [])]
 
 
 MAX_GPU_RANKS = 64  # a GPU re-run starts every rank on this machine
+
+
+def _worst(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of the reports of a re-run's ranks, the one that ran out of memory or failed first
+    (the cluster's answer), else the one whose peak reserved is the largest."""
+    def reserved(report: dict[str, Any]) -> int:
+        return max((d["peak"]["reserved_bytes"] for d in report["devices"]), default=0)
+    failed = [r for r in reports if r["run"]["exit"]["code"]]
+    return failed[0] if failed else max(reports, key=reserved)
 
 
 def _rank(run: Run, where: list[str]) -> Rank | None:

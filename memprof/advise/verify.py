@@ -65,6 +65,17 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
     return advice, measured
 
 
+def measure_remedies(remedies: list[Remedy], rerun: Rerun, progress: Callable[[str], None]
+                     ) -> Measured:
+    """Re-run with each of ``remedies`` alone (``--gpus N`` of a distributed run: the world
+    of N ranks), without the rest of ``--verify``."""
+    measured: Measured = {}
+    for remedy in remedies:
+        progress(remedy.title)
+        measured[remedy.key] = _attempt(rerun, [remedy.verify], None)
+    return measured
+
+
 def idle_remedies(measured: Measured) -> list[str]:
     """The remedies whose measured peak is no lower than the baseline's."""
     base = measured.get(BASELINE)
@@ -84,10 +95,12 @@ def _attempt(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None
 
 def _run(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None) -> Peak | None:
     apply: dict[str, Any] = {}
-    args, conf = None, None
+    args, conf, world = None, None, None
     for spec in specs:
         apply.update({k: v for k, v in spec.items()
-                      if k in ("autocast", "checkpoint", "chunked_loss")})
+                      if k in ("autocast", "checkpoint", "chunked_loss", "bucket_view", "shard",
+                               "units")})
+        world = spec.get("world", world)
         if "alloc_conf" in spec:
             conf = ",".join(filter(None, (rerun.alloc_conf, spec["alloc_conf"])))
         if "micro_batch" in spec and batch_arg is not None:
@@ -95,4 +108,4 @@ def _run(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None) -> Pe
             args = with_arg(rerun.args, batch_arg, max(1, batch // spec["micro_batch"]))
     if "autocast" in apply and rerun.on_cpu:
         apply["autocast_device"] = "cpu"  # the recording's CPU tensors stand in for CUDA's
-    return rerun.peak(args, apply, conf)
+    return rerun.peak(args, apply, conf, world)

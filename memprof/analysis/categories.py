@@ -39,10 +39,11 @@ _GATHERING_FILES = ("/fsdp/_fully_shard/_fsdp_collectives.py",)
 _GATHERING_CALLS = {("/fsdp/_fully_shard/_fsdp_param.py", name) for name in (
     "alloc_storage", "init_all_gather_outputs", "init_unsharded_param",
     "alloc_all_gather_outputs")}
-# decorators between a function and the op it calls (torch._disable_dynamo, no_grad), and
+# decorators between a function and the op it calls (torch._disable_dynamo, no_grad),
+# TypedStorage's methods over the untyped storage's (FSDP1 resizes through them), and
 # a comprehension's frame of its own (before Python 3.12), which its function's stands for
 _WRAPPER_FILES = ("/torch/_dynamo/eval_frame.py", "/torch/_compile.py",
-                  "/torch/utils/_contextlib.py")
+                  "/torch/utils/_contextlib.py", "/torch/storage.py")
 _COMPREHENSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
 
 

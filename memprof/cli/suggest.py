@@ -13,7 +13,9 @@ from memprof.cli.options import flag
 from memprof.errors import MemprofError
 
 if TYPE_CHECKING:
+    from memprof.advise.advice import Advice
     from memprof.advise.source import Run
+    from memprof.advise.verify import Measured
 
 
 def suggest(
@@ -26,7 +28,9 @@ def suggest(
         " 24000MB, bytes, or a card (A10, 'A100 40GB': its memory less the CUDA context).",
         show_default=False)] = "",
     gpus: Annotated[int, typer.Option(
-        "--gpus", min=1, help="GPUs the job may use: 2 or more enables ZeRO/FSDP.")] = 1,
+        "--gpus", min=1, help="GPUs the job may use. A single-GPU run: 2 or more adds ZeRO/FSDP"
+        " by the ZeRO paper's formulas. A rank of a distributed run: more than its world"
+        " re-runs the script over that many virtual GPUs and measures the worst rank.")] = 1,
     verify: Annotated[bool, flag(
         "--verify", help="Re-run the script (as its report recorded it, a few steps, on the"
         " same virtual GPU; only a report memprof run wrote here, else --rerun-command) with"
@@ -84,9 +88,9 @@ def suggest(
         chosen = parse_budget(budget)
     except ValueError as exc:
         raise MemprofError(str(exc)) from None
-    if rerun_command is not None and not (verify or fit_batch or predict):
-        raise MemprofError("--rerun-command names what --verify, --fit-batch or --predict"
-                           " re-run: give one of them too")
+    if rerun_command is not None and not (verify or fit_batch or predict or gpus > 1):
+        raise MemprofError("--rerun-command names what --verify, --fit-batch, --predict or"
+                           " --gpus re-run: give one of them too")
     source = source if source is not None else newest_run(Path("reports"))
     if ctx.obj and ctx.obj.get("own_process") and is_snapshot(source):
         from memprof.supervised import supervise, time_limit
@@ -119,6 +123,8 @@ def suggest(
         if fit_batch:
             batch = _fit(rerun, fit_batch, chosen.bytes, notes,
                          run.device["peak"]["reserved_bytes"])
+    elif gpus > int(run.facts.get("world_size") or 1) > 1:
+        measured = _other_world(advice, run, gpus, rerun_command, notes)
     if html is not None:
         from memprof.report.html.assemble import write_page
         from memprof.report.html.pages import suggest_page
@@ -157,6 +163,30 @@ def _predicted(run: Run, source: Path, rerun_command: str | None, notes: Console
     given = None if rerun_command is None else given_command(rerun_command)
     predict(run, Rerun.of(run, given))
     return load_run(source)
+
+
+def _other_world(advice: Advice, run: Run, gpus: int, rerun_command: str | None,
+                 notes: Console) -> Measured | None:
+    """``--gpus N`` of a rank of a distributed run: the world of N re-run on virtual cards
+    (None, with a note, where it shards nothing or the report's command may not be re-run
+    unasked)."""
+    from memprof.advise.remedies import catalogue
+    from memprof.advise.rerun import Rerun, given_command
+    from memprof.advise.verify import measure_remedies
+
+    world = [r for r in catalogue(advice.start, advice.context) if r.key == f"world_{gpus}"]
+    if not world:
+        notes.print(f"memprof: --gpus {gpus}: the run shards none of its model state over its"
+                    " GPUs (DDP replicates it), so more GPUs hold as much each; see the FSDP"
+                    " remedies")
+        return None
+    try:
+        rerun = Rerun.of(run, None if rerun_command is None else given_command(rerun_command))
+    except MemprofError as exc:
+        notes.print(f"memprof: --gpus {gpus} is estimated only: {exc.message}")
+        return None
+    return measure_remedies(world, rerun,
+                            lambda what: notes.print(f"memprof: measuring {what} ..."))
 
 
 REPRODUCED = 0.05  # a re-run as recorded within this share of the recorded peak reproduces it

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from memprof.collect.hooks.checkpointed import call_frame
+from memprof.collect.hooks.parallelism import model_class
 from memprof.collect.tensors import storages_behind, tensors_in
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -67,7 +68,7 @@ class BlockSaves:
                 self._held.update(st._cdata for st in storages_behind(t))
         if not module._modules or isinstance(module, _CONTAINERS) or not module.training:
             return
-        cls = type(module)
+        cls = model_class(module)
         key = (cls.__module__, cls.__name__)
         call = call_frame(sys._getframe(1))
         kwargs = call.f_locals.get("kwargs") if call is not None else None

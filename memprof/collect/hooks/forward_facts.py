@@ -24,6 +24,7 @@ import torch
 
 from memprof.collect.frames import HIDDEN_CODES
 from memprof.collect.hooks.checkpointed import is_checkpoint, module_caller, under_checkpoint
+from memprof.collect.hooks.parallelism import model_class
 from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS, LOSS_LOGITS
 
 _ZERO_GRADS: tuple[type, ...] = (torch.optim.Optimizer, torch.nn.Module)
@@ -70,8 +71,8 @@ class ForwardFacts:
         self.stack.append(module)
         if not module.training:  # checkpointing matters in training alone: not looked for
             return
-        name = type(module).__name__
-        outer = type(self.stack[-2]).__name__ if len(self.stack) > 1 else None
+        name = model_class(module).__name__
+        outer = model_class(self.stack[-2]).__name__ if len(self.stack) > 1 else None
         if name in self.checkpointed and (outer is None or outer in self.checkpointed):
             return
         caller = module_caller(sys._getframe(1))

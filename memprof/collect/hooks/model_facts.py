@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from memprof.collect.hooks.parallelism import model_class
 from memprof.collect.tensors import tensors_in
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -71,7 +72,7 @@ def _repeated_blocks(modules: list[torch.nn.Module],
     for m in modules:
         if isinstance(m, _CONTAINERS) or not any(True for _ in m.children()):
             continue
-        by_class.setdefault(type(m), []).append(m)
+        by_class.setdefault(model_class(m), []).append(m)
     blocks = []
     for cls, instances in by_class.items():
         size = sum(p.numel() for m in instances for p in m.parameters())

@@ -33,6 +33,20 @@ def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
     return {"strategies": sorted(strategies), "meshes": list(meshes.values())}
 
 
+def model_class(module: torch.nn.Module) -> type:
+    """The class the script defined ``module`` as: FSDP2's ``fully_shard`` gives a module a
+    class of its own, ``FSDP<Name>``, a subclass of ``FSDPModule`` and the script's class."""
+    cls = type(module)
+    if cls.__module__.startswith(FSDP_PACKAGE) and any(
+            base.__name__ == "FSDPModule" for base in cls.__mro__[1:]):
+        return next((base for base in cls.__mro__[1:]
+                     if not base.__module__.startswith(FSDP_PACKAGE)), cls)
+    return cls
+
+
+FSDP_PACKAGE = "torch.distributed.fsdp"
+
+
 def _strategy(module: torch.nn.Module) -> str | None:
     """What ``module`` is, by its class's name (no distributed module imported)."""
     names = {cls.__name__ for cls in type(module).__mro__}

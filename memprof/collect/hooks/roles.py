@@ -160,8 +160,9 @@ class RoleHooks:
 
     def _watch_param(self, p: torch.Tensor) -> None:
         self._mark_param(p)
+        # (FSDP with use_orig_params swaps views of its flat parameter in: not leaves)
         hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-        if p.requires_grad and self._grad_hook not in hooks.values():
+        if p.requires_grad and p.is_leaf and self._grad_hook not in hooks.values():
             self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
 
     def _mark_state(self, optimizer: torch.optim.Optimizer) -> None:

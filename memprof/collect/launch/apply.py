@@ -8,7 +8,8 @@ list of class names) runs every module of class ``Block`` under activation check
 and so do the calls the script checkpoints itself); ``{"chunked_loss": 8}`` computes each
 ``F.cross_entropy`` over ``MIN_CLASSES`` classes or more that backward will differentiate in
 8 chunks of rows, each checkpointed, so that one chunk's log-probabilities are saved at a
-time (the same loss: summed over the chunks, then divided as the reduction asks).
+time (the same loss: summed over the chunks, then divided as the reduction asks). The
+sharding remedies of a distributed script are ``apply_distributed.py``'s.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 
 from memprof.collect.hooks.checkpointed import is_checkpoint, module_caller
+from memprof.collect.hooks.parallelism import model_class
+from memprof.collect.launch.apply_distributed import distributed_applied
 
 ENV = "MEMPROF_APPLY"
 MIN_CLASSES = 1024  # a vocabulary: where a loss's log-probabilities weigh (run.model.loss)
@@ -56,6 +59,7 @@ def applied(asked: dict[str, Any]) -> Iterator[None]:
         blocks = [blocks] if isinstance(blocks, str) else blocks
         if isinstance(blocks, list) and all(isinstance(b, str) for b in blocks):
             stack.enter_context(_checkpointing(frozenset(blocks)))
+        stack.enter_context(distributed_applied(asked))
         yield
 
 
@@ -97,7 +101,7 @@ def _checkpointing(class_names: frozenset[str]) -> Iterator[None]:
 
     def on_forward(module: torch.nn.Module, args: object) -> None:
         cls = type(module)
-        if cls.__name__ in class_names and cls not in patched:
+        if model_class(module).__name__ in class_names and cls not in patched:
             patched[cls] = cls.forward
             cls.forward = _checkpointed(cls.forward)  # type: ignore[method-assign]
 

@@ -89,6 +89,7 @@ class VirtualGpu:
         # on the tensor, not in the routing mode: DataLoader pins batches on a thread of its
         # own, where the (thread-local) mode does not reach
         patches[(torch.Tensor, "pin_memory")] = _pinned
+        patches[(torch.UntypedStorage, "data_ptr")] = _storage_address
         patches[(torch.nn.Module, "to")] = module_to(torch.nn.Module.to)
         patches[(torch.utils, "swap_tensors")] = swapping(torch.utils.swap_tensors)
         patches[(torch.autograd, "_engine_run_backward")] = self._backward
@@ -183,6 +184,18 @@ def _copy(value: Any) -> Any:
 def _pinned(tensor: torch.Tensor, device: object = None) -> torch.Tensor:
     """``pin_memory()``: the host tensor itself (a CPU build cannot pin)."""
     return tensor
+
+
+_data_ptr = torch.UntypedStorage.data_ptr
+
+
+def _storage_address(storage: torch.UntypedStorage) -> int:
+    """``data_ptr()``: a virtual tensor's (meta) storage has an address while it holds bytes,
+    as a card's has (FSDP checks a storage is allocated by it, libraries tell storages apart
+    by it), and 0 once freed."""
+    if storage.device.type != "meta":
+        return _data_ptr(storage)
+    return storage._cdata if storage.nbytes() else 0
 
 
 _clear_cpp_autocast_cache = torch.clear_autocast_cache

@@ -134,6 +134,12 @@ class VirtualTensor(torch.Tensor):
         ``resize_`` (FSDP2's free and regather) must reach."""
         return self.elem.untyped_storage()
 
+    def data_ptr(self) -> int:  # type: ignore[override]
+        """Its storage's address (the virtual GPU's ``UntypedStorage.data_ptr``) plus its
+        offset, as a card's tensor's."""
+        base = self.elem.untyped_storage().data_ptr()
+        return base + self.storage_offset() * self.element_size() if base else 0
+
     def __repr__(self, **kwargs: Any) -> str:
         grad = ", requires_grad=True" if self.requires_grad else ""
         if self.value is not None:  # as torch prints a CUDA tensor

@@ -1,0 +1,178 @@
+"""Remedies that spread the model state over GPUs.
+
+A single-process run cannot be re-run sharded (its script does not shard), so ``--gpus N``
+gives the ZeRO paper's formulas. A rank of a distributed run changes its own strategy, and
+``--verify`` measures each by re-running the world on virtual cards with the change applied
+(``collect/launch/apply.py``): DDP's gradients as views of its buckets, FSDP instead of DDP
+over the same GPUs, FULL_SHARD instead of SHARD_GRAD_OP, and (``--gpus N``) the same run
+over N GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from memprof.advise.peak import Peak
+from memprof.advise.remedy import SEEDS, Context, Remedy
+from memprof.trace.model import (
+    COMMUNICATION,
+    GRADIENTS,
+    OPTIMIZER_STATE,
+    PARAMETERS,
+    TEMPORARIES,
+)
+
+# what each strategy shards over the data-parallel world (run.model.parallelism)
+SHARDED = {
+    "fsdp2": (PARAMETERS, GRADIENTS, OPTIMIZER_STATE),
+    "fsdp1:full_shard": (PARAMETERS, GRADIENTS, OPTIMIZER_STATE),
+    "fsdp1:hybrid_shard": (PARAMETERS, GRADIENTS, OPTIMIZER_STATE),
+    "fsdp1:shard_grad_op": (GRADIENTS, OPTIMIZER_STATE),
+    "deepspeed:zero3": (PARAMETERS, GRADIENTS, OPTIMIZER_STATE),
+    "deepspeed:zero2": (GRADIENTS, OPTIMIZER_STATE),
+    "deepspeed:zero1": (OPTIMIZER_STATE,),
+}
+GATHERED_UNITS = 2  # FSDP holds the unit it computes and the one it prefetches
+UNIT_GRADIENTS = 2  # in backward, a unit's unsharded gradient and FSDP1's padded copy of it
+SEED = SEEDS["000"]
+
+
+def sharding_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
+    """The sharding remedies that apply to this run."""
+    if not peak.at_step[PARAMETERS]:
+        return []
+    if ctx.world_size > 1:
+        return _distributed(peak, ctx)
+    return _zero_formulas(ctx) if ctx.gpus > 1 else []
+
+
+def _distributed(peak: Peak, ctx: Context) -> list[Remedy]:
+    strategies = set((ctx.model.get("parallelism") or {}).get("strategies") or ())
+    world = ctx.world_size
+    found = []
+    if strategies == {"ddp"}:
+        found += _ddp(peak, ctx)
+    if strategies == {"fsdp1:shard_grad_op"}:
+        found.append(Remedy(
+            "full_shard", "FSDP FULL_SHARD instead of SHARD_GRAD_OP", "sharding", 6,
+            "communication: parameters gathered again in backward", SEED,
+            f"between forward and backward {GATHERED_UNITS} units' parameters gathered, not"
+            " every unit's",
+            lambda p: _regathered(p, min(_model_bytes(ctx), GATHERED_UNITS * _unit_bytes(ctx))),
+            "FullyShardedDataParallel(model, ...,"
+            " sharding_strategy=ShardingStrategy.FULL_SHARD)",
+            {"shard": "FULL_SHARD", "units": _units(ctx)}))
+    sharded = set().union(*(SHARDED.get(s, ()) for s in strategies)) if strategies else set()
+    if ctx.gpus > world and sharded:
+        n = ctx.gpus
+        found.append(Remedy(
+            f"world_{n}", f"the same run over {n} GPUs", "gpus", 7,
+            f"infrastructure: {n} GPUs instead of {world}", SEED,
+            f"{', '.join(sorted(c.replace('_', ' ') for c in sharded))} split {n} ways instead"
+            f" of {world}; the batch per GPU as now",
+            lambda p: p.scaled(dict.fromkeys(sharded, world / n)),
+            f"torchrun --nproc-per-node {n} ...  # or more nodes: {n} ranks in all",
+            {"world": n}))
+    return found
+
+
+def _ddp(peak: Peak, ctx: Context) -> list[Remedy]:
+    world, units = ctx.world_size, _units(ctx)
+    found = []
+    buckets = peak.at_step[COMMUNICATION]
+    if buckets >= 0.5 * peak.at_step[GRADIENTS]:  # not views of the buckets already
+        found.append(Remedy(
+            "bucket_view", "DDP gradient_as_bucket_view=True", "ddp", 1,
+            "none (gradients become views into DDP's buckets)", SEED,
+            "DDP's buckets hold a copy of the gradients; as views of them, no second copy",
+            lambda p: p.with_state(COMMUNICATION, -min(buckets, p.at_step[GRADIENTS])),
+            "model = DistributedDataParallel(model, gradient_as_bucket_view=True)",
+            {"bucket_view": True}))
+    model, unit = _model_bytes(ctx), _unit_bytes(ctx)
+    for strategy, full, what in (("SHARD_GRAD_OP", False, "gradients and optimizer state"),
+                                 ("FULL_SHARD", True, "parameters, gradients and optimizer"
+                                  " state")):
+        # gathered in forward: the units computed (FULL_SHARD) or every unit (SHARD_GRAD_OP)
+        gathered = min(model, GATHERED_UNITS * unit) if full else model
+        wrap = f"ModuleWrapPolicy({{{units[0]}}})" if units else "None  # the model one unit"
+        found.append(Remedy(
+            f"fsdp_{strategy.lower()}", f"FSDP {strategy} instead of DDP over the {world} GPUs",
+            "sharding", 6 + full, "communication: "
+            + ("parameters gathered for each unit, " if full else "")
+            + "gradients reduce-scattered", SEED,
+            f"{what} split {world} ways (each rank also keeps a shard of the parameters);"
+            f" DDP's buckets gone; {'units' if full else 'all'} of the parameters gathered"
+            f" between forward and backward ({gathered:,} bytes); a unit's gradient and"
+            " FSDP's padded copy of it held in backward",
+            lambda p, g=gathered: _sharded(p, world, g, UNIT_GRADIENTS * unit),
+            "from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy\n"
+            "from torch.distributed.fsdp.wrap import ModuleWrapPolicy\n\n"
+            f"model = FullyShardedDataParallel(model, auto_wrap_policy={wrap},\n"
+            f"    sharding_strategy=ShardingStrategy.{strategy}, use_orig_params=True,\n"
+            "    device_id=torch.cuda.current_device())  # instead of DistributedDataParallel",
+            {"shard": strategy, "units": units}))
+    return found
+
+
+def _units(ctx: Context) -> list[str]:
+    """The FSDP units a sharding remedy wraps: the largest repeated block's class."""
+    return [ctx.block["class"]] if ctx.block else []
+
+
+def _model_bytes(ctx: Context) -> int:
+    """The model's parameters' bytes, whole."""
+    return int(ctx.model.get("parameter_bytes") or 4 * (ctx.model.get("parameters") or 0))
+
+
+def _unit_bytes(ctx: Context) -> int:
+    """The parameters' bytes of one FSDP unit: the largest repeated block (the whole model
+    where no block repeats)."""
+    params = int(ctx.model.get("parameters") or 0)
+    if not ctx.block or not params:
+        return _model_bytes(ctx)
+    return int(ctx.block["parameters_each"] * _model_bytes(ctx) / params)
+
+
+def _sharded(p: Peak, world: int, gathered: int, gradients: int) -> Peak:
+    """``p`` (a DDP rank's) under FSDP over ``world`` ranks: parameters, gradients and
+    optimizer state sharded, and the step's temporaries with them; DDP's buckets gone;
+    ``gathered`` parameters and a unit's ``gradients`` held at the activation moment."""
+    factors = {PARAMETERS: 1 / world, GRADIENTS: 1 / world, OPTIMIZER_STATE: 1 / world,
+               COMMUNICATION: 0}
+    q = p.scaled(factors)
+    step = {**q.at_step, TEMPORARIES: q.at_step[TEMPORARIES] // world}
+    return replace(q, at_step=step).added(COMMUNICATION, gathered).added(TEMPORARIES,
+                                                                          gradients)
+
+
+def _regathered(p: Peak, gathered: int) -> Peak:
+    """``p`` holding no more than ``gathered`` bytes of gathered parameters at the activation
+    moment."""
+    return replace(p, at_peak={**p.at_peak, COMMUNICATION: min(p.at_peak[COMMUNICATION],
+                                                               gathered)})
+
+
+def _zero_formulas(ctx: Context) -> list[Remedy]:
+    n = ctx.gpus
+    stages = (
+        (1, {OPTIMIZER_STATE: 1 / n}, "optimizer state"),
+        (2, {OPTIMIZER_STATE: 1 / n, GRADIENTS: 1 / n}, "optimizer state and gradients"),
+        (3, {OPTIMIZER_STATE: 1 / n, GRADIENTS: 1 / n, PARAMETERS: 1 / n},
+         "optimizer state, gradients and parameters"))
+    snippets = {
+        1: "from torch.distributed.optim import ZeroRedundancyOptimizer\n\n"
+           "optimizer = ZeroRedundancyOptimizer(model.parameters(),"
+           " optimizer_class=torch.optim.AdamW, lr=lr)",
+        2: 'ds_config = {"zero_optimization": {"stage": 2}}',
+        3: "from torch.distributed.fsdp import fully_shard\n\n"
+           "for module in model.modules():\n"
+           f"    if type(module).__name__ == {(ctx.block or {}).get('class', 'Block')!r}:\n"
+           "        fully_shard(module)\nfully_shard(model)"}
+    return [Remedy(
+        f"zero_{stage}", f"ZeRO-{stage}{' / FSDP' if stage == 3 else ''} over {n} GPUs",
+        "sharding", 6 + stage, f"infrastructure: {n} GPUs and their communication",
+        SEED, f"{what} split {n} ways (ZeRO paper: per GPU"
+        f" {['4P + 12P/N', '2P + 14P/N', '16P/N'][stage - 1]} bytes of mixed-precision Adam"
+        " state); the parameters of the layer being computed, gathered, are not counted",
+        lambda p, f=factors: p.scaled(f), snippets[stage])
+        for stage, factors, what in stages]
