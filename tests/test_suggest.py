@@ -170,11 +170,16 @@ def test_snippets_compile_and_name_the_runs_blocks(runs: Path):
     leak = {"growth_per_step_bytes": 1 << 20, "steps": 3, "site": {"site": "train.py:9"}}
     assert "lora" not in {r.key for r in catalogue(advice.start, Context(run.model))}  # new
     loaded = {**run.model, "loaded_state_dict": True}  # fine-tuning weights it loaded
-    everything = Context(loaded, gpus=4, world_size=2, expandable_ratio=0.0, leak=leak)
-    remedies = catalogue(advice.start, everything)
+    everything = Context(loaded, gpus=4, expandable_ratio=0.0, leak=leak)
+    # a rank of a DDP run over 2 GPUs: its own strategy changed, not the ZeRO formulas
+    ddp_rank = Context({**loaded, "parallelism": {"strategies": ["ddp"], "meshes": []}},
+                       world_size=2)
+    sharded = catalogue(advice.start, ddp_rank)
+    assert {"fsdp_full_shard", "fsdp_shard_grad_op"} <= {r.key for r in sharded}
+    assert not {"zero_1", "zero_2", "zero_3"} & {r.key for r in sharded}
+    remedies = catalogue(advice.start, everything) + sharded
     assert {"autocast", "checkpoint_blocks", "micro_batch_2", "optimizer_8bit", "zero_3",
-            "offload_optimizer", "fix_leak", "bucket_view", "lora",
-            "pure_bf16"} <= {r.key for r in remedies}
+            "offload_optimizer", "fix_leak", "lora", "pure_bf16"} <= {r.key for r in remedies}
     for remedy in remedies:
         compile(remedy.snippet, remedy.key, "exec")
     blocks = [r for r in remedies if r.group == "checkpointing"]
