@@ -204,6 +204,46 @@ def test_a_cross_entropy_over_a_vocabulary_is_offered_in_chunks(tmp_path: Path) 
     assert "chunked_loss" not in {r.remedy.key for r in narrow.ranked}
 
 
+HALF_LM = """\
+import sys, torch, torch.nn.functional as F
+from torch import nn
+vocab, rows = 4096, 256
+model = nn.Sequential(nn.Embedding(vocab, 64), nn.Linear(64, vocab)).cuda().bfloat16()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    tokens = torch.randint(0, vocab, (rows,), device="cuda")
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.float() if sys.argv[1] == "upcast" else logits, tokens)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+"""
+
+
+def test_a_half_precision_models_upcast_loss_is_offered_in_its_dtype(tmp_path: Path) -> None:
+    """A bf16 model whose logits are upcast for the cross-entropy saves fp32
+    log-probabilities: computing it in bf16 halves them. Without the upcast (or with a loss
+    in bf16 already) it is not offered."""
+    (tmp_path / "half_lm.py").write_text(HALF_LM)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda how: memprof_run(
+            tmp_path, "-o", how, "--no-timeline", "half_lm.py", how), ("upcast", "bf16")))
+    assert all(r.code == 0 for r in results), [r.stderr for r in results]
+    upcast = advise(load_run(tmp_path / "upcast"), parse_budget("1MiB"))
+    log_probabilities = 256 * 4096 * 4  # rows x vocab, fp32: what log_softmax saves
+    assert upcast.start.tagged(LOSS_LOGITS) == log_probabilities
+    remedies = {r.key: r for r in forward_remedies(upcast.start, upcast.context)}
+    in_bf16 = remedies["loss_model_dtype"]
+    assert in_bf16.title == "the cross-entropy in bfloat16, the model's dtype"
+    assert upcast.start.at_peak[ACTIVATIONS] - in_bf16.change(upcast.start).at_peak[
+        ACTIVATIONS] == log_probabilities // 2
+    compile(in_bf16.snippet, "<snippet>", "exec")
+    plain = advise(load_run(tmp_path / "bf16"), parse_budget("1MiB"))
+    assert plain.start.tagged(LOSS_LOGITS) == log_probabilities // 2  # bf16 already
+    assert "loss_model_dtype" not in {r.key for r in forward_remedies(plain.start,
+                                                                      plain.context)}
+
+
 TRAINED_IN_EVAL = """\
 import torch
 from torch import nn

@@ -1,6 +1,7 @@
 """Remedies that need facts ``memprof run`` records about the forward pass: fused
 attention where quadratic attention scores are saved for backward, a chunked (or fused)
-cross-entropy where a vocabulary's log-probabilities are, ``no_grad`` for evaluation
+cross-entropy where a vocabulary's log-probabilities are (or one in the model's half
+precision, where its logits were upcast for the loss), ``no_grad`` for evaluation
 passes run with grad enabled, and ``zero_grad(set_to_none=True)`` where gradients are
 zeroed and kept through the next forward pass.
 
@@ -19,14 +20,15 @@ from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS, GRADIENTS, L
 SCORES_SHARE = 0.03  # attention scores under this share of the peak: not worth a rewrite
 LOSS_SHARE = 0.03  # the same for a cross-entropy's log-probabilities
 LOSS_CHUNKS = 8  # the chunked loss's chunks of rows: one chunk's log-probabilities at a time
+HALF_MODEL = 0.9  # a model with this share of its weights in half precision computes in it
 LSE_BYTES = 4  # SDPA keeps an fp32 logsumexp per row of scores for backward
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def forward_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
     """The remedies of this module that apply to the run."""
-    return (_fused_attention(peak, ctx) + _chunked_loss(peak, ctx) + _no_grad(peak, ctx)
-            + _set_to_none(peak, ctx))
+    return (_fused_attention(peak, ctx) + _chunked_loss(peak, ctx)
+            + _loss_in_model_dtype(peak, ctx) + _no_grad(peak, ctx) + _set_to_none(peak, ctx))
 
 
 def _fused_attention(peak: Peak, ctx: Context) -> list[Remedy]:
@@ -82,6 +84,32 @@ def _chunked_loss(peak: Peak, ctx: Context) -> list[Remedy]:
         f"           for h, t in zip(rows.chunk({LOSS_CHUNKS}), labels.chunk({LOSS_CHUNKS})))"
         " / labels.numel()",
         {"chunked_loss": LOSS_CHUNKS})]  # --verify chunks the loss alone, not the head
+
+
+def _loss_in_model_dtype(peak: Peak, ctx: Context) -> list[Remedy]:
+    """A model whose weights are half precision (no autocast, which keeps a loss in fp32
+    whatever its input) whose cross-entropy saves fp32 log-probabilities: its logits were
+    upcast for the loss (``logits.float()``)."""
+    facts, dtypes = ctx.model.get("loss"), ctx.model.get("dtypes") or {}
+    held = peak.tagged(LOSS_LOGITS)
+    half = max(("bfloat16", "float16"), key=lambda d: dtypes.get(d, 0))
+    if not facts or facts["dtype"] != "float32" or ctx.model.get("autocast") \
+            or dtypes.get(half, 0) < HALF_MODEL * sum(dtypes.values()) \
+            or held < LOSS_SHARE * peak.allocated:
+        return []
+    library = ("# transformers upcasts them in its own loss (logits.float()): compute the"
+               " loss yourself\nlogits = model(input_ids).logits\n" if ctx.transformers else "")
+    return [Remedy(
+        "loss_model_dtype", f"the cross-entropy in {half}, the model's dtype", "loss", 3,
+        f"numerics: {half} log-probabilities (PyTorch's log_softmax sums the vocabulary in"
+        " fp32, and rounds each result); a loss in fp32 is the common default for a reason",
+        SEEDS["loss"],
+        f"the fp32 log-probabilities the cross-entropy saves for backward ({held:,} bytes at"
+        f" the peak) are {half}, half as large; the fp32 copy of the logits is not made"
+        " either: not counted here",
+        lambda p: p.without_tag(LOSS_LOGITS, 0.5),
+        f"{library}# without .float(): the logits stay {half}\n"
+        "loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())")]
 
 
 def _no_grad(peak: Peak, ctx: Context) -> list[Remedy]:
