@@ -103,6 +103,18 @@ def test_every_way_to_make_a_cuda_tensor_gives_one(gpu: VirtualGpu, form: str) -
     assert torch.cuda.memory_allocated() - before == block(100 * 4)
 
 
+def test_a_cuda_tensors_address_is_its_blocks_while_it_holds_one(gpu: VirtualGpu) -> None:
+    """``data_ptr()`` as on a card: non-zero and 512-byte aligned while the storage holds
+    bytes (FSDP checks a storage is allocated by it; libraries tell storages apart by it),
+    a view's its storage's plus its offset, and 0 once the storage is freed by a resize."""
+    a, b = torch.empty(100, device="cuda"), torch.empty(100, device="cuda")
+    assert a.data_ptr() and b.data_ptr() and a.data_ptr() != b.data_ptr()
+    assert a.untyped_storage().data_ptr() % 512 == 0
+    assert a[10:].data_ptr() == a.data_ptr() + 10 * a.element_size()
+    a.untyped_storage().resize_(0)
+    assert a.untyped_storage().data_ptr() == 0 and torch.empty(3).data_ptr()  # host: its own
+
+
 def test_module_to_keeps_the_dtype_it_is_given(gpu: VirtualGpu) -> None:
     for move in (lambda m: m.to("cuda", torch.float16),
                  lambda m: m.to(dtype=torch.float16, device="cuda:0")):

@@ -28,6 +28,7 @@ from torch.optim.optimizer import _foreach_supported_types
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils import _foreach_utils
 
+from memprof.analysis.blocks import MIN_BLOCK
 from memprof.collect.launch.eager_compile import EagerCompile
 from memprof.collect.launch.threads import inherited
 from memprof.collect.virtual import autocast
@@ -192,10 +193,11 @@ _data_ptr = torch.UntypedStorage.data_ptr
 def _storage_address(storage: torch.UntypedStorage) -> int:
     """``data_ptr()``: a virtual tensor's (meta) storage has an address while it holds bytes,
     as a card's has (FSDP checks a storage is allocated by it, libraries tell storages apart
-    by it), and 0 once freed."""
+    by it), and 0 once freed: unique while it lives, and 512-byte aligned as the caching
+    allocator's blocks are (kernels check alignment by it)."""
     if storage.device.type != "meta":
         return _data_ptr(storage)
-    return storage._cdata if storage.nbytes() else 0
+    return storage._cdata * MIN_BLOCK if storage.nbytes() else 0
 
 
 _clear_cpp_autocast_cache = torch.clear_autocast_cache
