@@ -198,6 +198,31 @@ def test_fsdp2_of_a_model_made_on_the_meta_device_and_tensor_parallel_on_a_2d_me
     assert [p.to_local().shape for p in tp.parameters()] == [(32, 64), (32,), (32, 64), (32,)]
 
 
+def test_a_wrapper_gone_by_the_end_still_says_how_the_model_was_spread() -> None:
+    """Hugging Face's Trainer wraps the model in DDP inside its loop: by the end of the
+    script the wrapper is gone, and the model's facts, taken again then, keep it."""
+    from memprof.collect.cpu.recorder import CpuRecorder
+    from memprof.trace.model import AllocatorSettings
+
+    virtual = VirtualGpu(parse_spec("H100"), AllocatorSettings())
+    with CpuRecorder(virtual.recorder) as recorder, virtual:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=2)
+        try:
+            model = model_on_card()
+            optimizer = torch.optim.AdamW(model.parameters())
+
+            def train() -> None:
+                wrapped = DistributedDataParallel(model)
+                for _ in range(2):
+                    wrapped(torch.ones(4, 64, device="cuda")).sum().backward()
+                    optimizer.step()
+            train()
+        finally:
+            dist.destroy_process_group()
+    assert recorder.snapshot()["memprof"]["model"]["parallelism"] == {
+        "strategies": ["ddp"], "meshes": []}
+
+
 @pytest.mark.parametrize("group", [(2, 3), (7, 8)], indirect=True)
 def test_fsdp1_shards_each_units_flat_parameter_padded_to_the_world_size(
         group: VirtualGpu) -> None:

@@ -33,6 +33,15 @@ def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
     return {"strategies": sorted(strategies), "meshes": list(meshes.values())}
 
 
+def merged(seen: dict[str, Any] | None, now: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two ``parallelism`` facts of one run as one: every strategy and mesh either saw."""
+    if seen is None or now is None:
+        return now or seen
+    meshes = list(seen["meshes"])
+    meshes += [mesh for mesh in now["meshes"] if mesh not in meshes]
+    return {"strategies": sorted({*seen["strategies"], *now["strategies"]}), "meshes": meshes}
+
+
 def model_class(module: torch.nn.Module) -> type:
     """The class the script defined ``module`` as: FSDP2's ``fully_shard`` gives a module a
     class of its own, ``FSDP<Name>``, a subclass of ``FSDPModule`` and the script's class."""

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from memprof.collect.hooks.block_saves import BlockSaves
 from memprof.collect.hooks.forward_facts import ForwardFacts
 from memprof.collect.hooks.model_facts import model_facts
-from memprof.collect.hooks.parallelism import parallelism
+from memprof.collect.hooks.parallelism import merged, parallelism
 from memprof.collect.hooks.step_pace import END, MOVE, StepPace
 from memprof.collect.hooks.weak_ids import WeakIdMap
 from memprof.collect.tensors import tensors_in
@@ -65,6 +65,9 @@ class RoleHooks:
         # the library whose loop steps the optimizer ("transformers", "lightning",
         # "accelerate"; _LOOPS), or None for the script's own loop
         self._trainer: str | None = None
+        # how the model was spread, as seen so far: a wrapper (the Trainer's DDP) may be
+        # gone by the end of the script, when the facts are taken again
+        self._parallelism: dict[str, Any] | None = None
         self._pace = StepPace()
         self._forward = ForwardFacts()
         self._blocks = BlockSaves()
@@ -210,9 +213,10 @@ class RoleHooks:
             self._mark(p.grad, GRADIENTS)
 
     def _model_facts(self) -> dict[str, Any]:
+        self._parallelism = merged(self._parallelism, parallelism(self._modules))
         return {**model_facts(self._modules, self._optimizers, self._autocast,
                               self._blocks.facts()),
-                "trainer": self._trainer, "parallelism": parallelism(self._modules)}
+                "trainer": self._trainer, "parallelism": self._parallelism}
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         if self._trainer is None and not self._optimizers:  # the first step says

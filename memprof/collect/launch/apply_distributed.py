@@ -40,7 +40,7 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
 
     ddp, fsdp_init = distributed.DistributedDataParallel, FullyShardedDataParallel.__init__
     if sharded:
-        instead: Callable[..., Any] = _fsdp_instead(str(strategy), frozenset(units))
+        instead = _fsdp_instead(str(strategy), frozenset(units))
         FullyShardedDataParallel.__init__ = _with_strategy(fsdp_init, str(strategy))
     else:
         instead = _bucket_views(ddp)
@@ -59,18 +59,20 @@ def _bucket_views(ddp: type) -> type:
     return DistributedDataParallel
 
 
-def _fsdp_instead(strategy: str, units: frozenset[str]) -> Callable[..., Any]:
-    def wrap(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
-        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+def _fsdp_instead(strategy: str, units: frozenset[str]) -> type:
+    class DistributedDataParallel:  # a class, for isinstance checks: no model is one
+        def __new__(cls, module: torch.nn.Module, *args: Any, **kwargs: Any
+                    ) -> torch.nn.Module:  # type: ignore[misc]
+            from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        classes = {type(m) for m in module.modules() if model_class(m).__name__ in units}
-        device = next((p.device for p in module.parameters()), None)
-        return FullyShardedDataParallel(
-            module, sharding_strategy=ShardingStrategy[strategy], use_orig_params=True,
-            auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None,
-            device_id=device if device is not None and device.type == "cuda" else None)
-    return wrap
+            classes = {type(m) for m in module.modules() if model_class(m).__name__ in units}
+            device = next((p.device for p in module.parameters()), None)
+            return FullyShardedDataParallel(
+                module, sharding_strategy=ShardingStrategy[strategy], use_orig_params=True,
+                auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None,
+                device_id=device if device is not None and device.type == "cuda" else None)
+    return DistributedDataParallel
 
 
 def _with_strategy(init: Callable[..., None], strategy: str) -> Callable[..., None]:
