@@ -177,6 +177,13 @@ def test_snippets_compile_and_name_the_runs_blocks(runs: Path):
     sharded = catalogue(advice.start, ddp_rank)
     assert {"fsdp_full_shard", "fsdp_shard_grad_op"} <= {r.key for r in sharded}
     assert not {"zero_1", "zero_2", "zero_3"} & {r.key for r in sharded}
+    for loop, says in (("transformers", 'fsdp="full_shard auto_wrap"'),
+                       ("accelerate", "FullyShardedDataParallelPlugin("),
+                       ("lightning", "FSDPStrategy(auto_wrap_policy={Block}")):
+        theirs = Context({**ddp_rank.model, "trainer": loop}, world_size=2)
+        full = next(r for r in catalogue(advice.start, theirs) if r.key == "fsdp_full_shard")
+        assert says in full.snippet, full.snippet  # in the terms of the loop's library
+        sharded.append(full)
     remedies = catalogue(advice.start, everything) + sharded
     assert {"autocast", "checkpoint_blocks", "micro_batch_2", "optimizer_8bit", "zero_3",
             "offload_optimizer", "fix_leak", "lora", "pure_bf16"} <= {r.key for r in remedies}

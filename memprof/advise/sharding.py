@@ -86,15 +86,13 @@ def _ddp(peak: Peak, ctx: Context) -> list[Remedy]:
             "none (gradients become views into DDP's buckets)", SEED,
             "DDP's buckets hold a copy of the gradients; as views of them, no second copy",
             lambda p: p.with_state(COMMUNICATION, -min(buckets, p.at_step[GRADIENTS])),
-            "model = DistributedDataParallel(model, gradient_as_bucket_view=True)",
-            {"bucket_view": True}))
+            _bucket_view_snippet(ctx), {"bucket_view": True}))
     model, unit = _model_bytes(ctx), _unit_bytes(ctx)
     for strategy, full, what in (("SHARD_GRAD_OP", False, "gradients and optimizer state"),
                                  ("FULL_SHARD", True, "parameters, gradients and optimizer"
                                   " state")):
         # gathered in forward: the units computed (FULL_SHARD) or every unit (SHARD_GRAD_OP)
         gathered = min(model, GATHERED_UNITS * unit) if full else model
-        wrap = f"ModuleWrapPolicy({{{units[0]}}})" if units else "None  # the model one unit"
         found.append(Remedy(
             f"fsdp_{strategy.lower()}", f"FSDP {strategy} instead of DDP over the {world} GPUs",
             "sharding", 6 + full, "communication: "
@@ -105,13 +103,46 @@ def _ddp(peak: Peak, ctx: Context) -> list[Remedy]:
             f" between forward and backward ({gathered:,} bytes); a unit's gradient and"
             " FSDP's padded copy of it held in backward",
             lambda p, g=gathered: _sharded(p, world, g, UNIT_GRADIENTS * unit),
-            "from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy\n"
+            _fsdp_snippet(ctx, strategy, units),
+            {"shard": strategy, "units": units}))
+    return found
+
+
+def _bucket_view_snippet(ctx: Context) -> str:
+    """DDP's gradients as views of its buckets, in the terms of the loop's library."""
+    if ctx.loop == "accelerate":
+        return ("from accelerate import Accelerator, DistributedDataParallelKwargs\n\n"
+                "accelerator = Accelerator(kwargs_handlers=[\n"
+                "    DistributedDataParallelKwargs(gradient_as_bucket_view=True)])")
+    if ctx.loop == "lightning":
+        return ("from lightning.pytorch.strategies import DDPStrategy\n\n"
+                "trainer = L.Trainer(..., strategy=DDPStrategy(gradient_as_bucket_view=True))")
+    return "model = DistributedDataParallel(model, gradient_as_bucket_view=True)"
+
+
+def _fsdp_snippet(ctx: Context, strategy: str, units: list[str]) -> str:
+    """FSDP with ``strategy`` in the terms of the library whose loop runs the training."""
+    if ctx.loop == "transformers":
+        wrap = f", fsdp_config={{'transformer_layer_cls_to_wrap': {units}}}" if units else ""
+        return (f'TrainingArguments(..., fsdp="{strategy.lower()} auto_wrap"{wrap})'
+                "  # DDP no more")
+    if ctx.loop == "accelerate":
+        wrap = (f'auto_wrap_policy="transformer_based_wrap",\n    transformer_cls_names_to_wrap='
+                f"{units}, " if units else "")
+        return ("from accelerate import Accelerator, FullyShardedDataParallelPlugin\n\n"
+                "accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(\n"
+                f'    {wrap}sharding_strategy="{strategy}"))')
+    if ctx.loop == "lightning":
+        policy = f"auto_wrap_policy={{{units[0]}}}, " if units else ""
+        return ("from lightning.pytorch.strategies import FSDPStrategy\n\n"
+                f'trainer = L.Trainer(..., strategy=FSDPStrategy({policy}sharding_strategy='
+                f'"{strategy}"))')
+    wrap = f"ModuleWrapPolicy({{{units[0]}}})" if units else "None  # the model one unit"
+    return ("from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy\n"
             "from torch.distributed.fsdp.wrap import ModuleWrapPolicy\n\n"
             f"model = FullyShardedDataParallel(model, auto_wrap_policy={wrap},\n"
             f"    sharding_strategy=ShardingStrategy.{strategy}, use_orig_params=True,\n"
-            "    device_id=torch.cuda.current_device())  # instead of DistributedDataParallel",
-            {"shard": strategy, "units": units}))
-    return found
+            "    device_id=torch.cuda.current_device())  # instead of DistributedDataParallel")
 
 
 def _units(ctx: Context) -> list[str]:
