@@ -51,7 +51,6 @@ def tracker_peaks(world: int, checkpointed: bool, fake: bool = True) -> dict[str
 
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools import fsdp2_mem_tracker, mem_tracker
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -86,13 +85,8 @@ def tracker_peaks(world: int, checkpointed: bool, fake: bool = True) -> dict[str
             for step in range(STEPS):
                 if step:  # as its documentation says, before each iteration but the first
                     tracker.reset_mod_stats()
-                tokens = torch.randint(0, shape["vocab"], (1, SEQ + 1))
-                logits = model(tokens[:, :-1])
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-                del logits
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                llama_fsdp.train_step(model, optimizer,
+                                      torch.randint(0, shape["vocab"], (1, SEQ + 1)))
         (peak,) = tracker.get_tracker_snapshot("peak").values()
         stats = tracker.memory_tracking[model].snapshots
         (backward,) = stats[fsdp2_mem_tracker._FSDPModState.PEAK_BW][-1].values()

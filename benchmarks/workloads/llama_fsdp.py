@@ -95,6 +95,18 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor
+               ) -> torch.Tensor:
+    """One optimizer step on next-token prediction over ``tokens``; the loss."""
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    del logits
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -130,12 +142,7 @@ def main() -> None:
                                   **{args.adamw: True})
     for step in range(args.steps):
         tokens = torch.randint(0, shape["vocab"], (args.batch, args.seq + 1), device="cuda")
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        del logits
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(model, optimizer, tokens)
         if dist.get_rank() == 0:
             print(f"step {step + 1}: loss {loss.item():.3f}", flush=True)
     dist.destroy_process_group()
