@@ -59,6 +59,9 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     # ranks on virtual cards wait for no other's tensors: as many at once as memory holds
     at_once = _at_once() if card is not None else None
     paced = f", {at_once} at a time" if at_once and at_once < len(running) else ""
+    if paced and ranks.chosen is None:  # a large world: say how to ask for less
+        paced += (f" (--ranks 0,{world - 1} runs the first and the last alone; the ranks"
+                  " not run are not predicted)")
     notes.print(plain(f"memprof: {ranks_word} ({layout}), each a process of its own on"
                       f" {where} of its own{paced}"))
     exits = run_ranks(ranks, [sys.executable, "-m", "memprof", "run", "--cluster-rank",
