@@ -9,7 +9,8 @@ suggest --verify`` (``MEMPROF_APPLY``, read by ``apply.py``):
   with DDP's ``module`` and ``no_sync``), and every ``FullyShardedDataParallel`` the script
   makes itself gets that sharding strategy.
 
-The script's optimizer must be made after the model is wrapped, as FSDP requires.
+An optimizer made before the wrapper works as well: with ``use_orig_params`` FSDP keeps the
+parameter objects, their data its shard.
 """
 
 from __future__ import annotations
