@@ -402,13 +402,29 @@ def ddp_torchrun(where: Path) -> tuple[Any, Path]:
                        SAMPLES / "ddp.py", *SIZE], where), out
 
 
+OPTIMIZER_FIRST = """\
+import torch, torch.distributed as dist
+from common import build_mlp
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("nccl")
+model = build_mlp(64, 100, 2, 10).cuda()
+optimizer = torch.optim.AdamW(model.parameters())  # before the wrapper, as DDP's tutorial
+model = DistributedDataParallel(model)
+for _ in range(2):
+    model(torch.ones(4, 64, device="cuda")).sum().backward()
+    optimizer.step()
+"""
+
+
 @jobs
 def fsdp_instead_of_ddp(where: Path) -> tuple[Any, Path]:
-    """The DDP sample with suggest's remedy applied: FSDP FULL_SHARD, the model one unit."""
+    """DDP with suggest's remedy applied: FSDP FULL_SHARD, the model one unit."""
+    (where / "first.py").write_text(OPTIMIZER_FIRST)
     out = where / "out"
     return run_python(["-m", "memprof", "run", "--nproc-per-node", "2", "-o", out,
-                       "--no-timeline", SAMPLES / "ddp.py", *SIZE], where,
-                      env={"MEMPROF_APPLY": '{"shard": "FULL_SHARD", "units": []}'}), out
+                       "--no-timeline", "first.py"], where,
+                      env={"MEMPROF_APPLY": '{"shard": "FULL_SHARD", "units": []}',
+                           "PYTHONPATH": str(SAMPLES)}), out
 
 
 @jobs
@@ -646,10 +662,11 @@ def test_a_rank_is_re_run_over_another_world_and_its_worst_rank_measured(
 
 def test_fsdp_instead_of_ddp_holds_a_shard_of_the_padded_flat_parameter(
         runs: dict[str, Future[Any]]) -> None:
-    """suggest's FSDP-instead-of-DDP remedy, applied to the unmodified DDP sample over 2
+    """suggest's FSDP-instead-of-DDP remedy, applied to an unmodified DDP script over 2
     ranks: one flat parameter of every weight (each starting at a 16-byte boundary, as
     these do), padded to a multiple of 2 and halved; AdamW's two moments of the rank's own
-    elements; the gathered flat parameter is a communication buffer."""
+    elements, though the optimizer was made before the wrapper; the gathered flat
+    parameter is a communication buffer."""
     result, out = runs["fsdp_instead_of_ddp"].result()
     assert result.code == 0, result.stderr
     flat = sum(numel(s, s[0]) for s in shapes())
