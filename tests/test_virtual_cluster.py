@@ -320,6 +320,31 @@ def test_fsdp2_offloaded_to_the_host_holds_no_parameter_on_the_card(group: Virtu
     assert torch.cuda.memory_allocated() == before
 
 
+@pytest.mark.parametrize("group", [(1, 4)], indirect=True)
+def test_suggests_offload_keeps_fsdps_shards_on_the_host(group: VirtualGpu) -> None:
+    """``{"offload": true}`` (suggest --verify's FSDP CPU offload): fully_shard, however the
+    script imported it, keeps its shards on the host."""
+    import torch.distributed._composable.fsdp as older
+    import torch.distributed.fsdp as fsdp
+
+    from memprof.collect.launch.apply_distributed import distributed_applied
+
+    with distributed_applied({"offload": True}):
+        two = model_on_card()
+        for layer in two.modules():
+            if isinstance(layer, torch.nn.Linear):
+                older.fully_shard(layer)  # the older path scripts import it from
+        fsdp.fully_shard(two)
+        assert torch.cuda.memory_allocated() == 0  # every shard is the host's
+        # FSDP1's offload moves its flat parameter to the host in place, views of it alive:
+        # the virtual GPU says in one line it cannot (suggest offers it as an estimate)
+        from memprof.collect.virtual.unsupported import VirtualGpuUnsupported
+
+        with pytest.raises(VirtualGpuUnsupported, match="FSDP2's CPUOffloadPolicy runs"):
+            fsdp.FullyShardedDataParallel(model_on_card(), device_id=0)
+    assert all(p.to_local().device.type == "cpu" for p in two.parameters())
+
+
 # --- ranks as processes: reports, the answer, explain, check and suggest -----------------
 
 jobs = Jobs()
@@ -646,8 +671,12 @@ def test_a_rank_is_re_run_over_another_world_and_its_worst_rank_measured(
     _, out = runs["fsdp_cluster"].result()
     run = load_run(out)
     advice = advise(run, parse_budget("80GB"), 6)
-    (six,) = [r for r in catalogue(advice.start, advice.context) if r.key == "world_6"]
-    assert six.verify == {"world": 6}
+    offered = {r.key: r for r in catalogue(advice.start, advice.context)}
+    six, offload = offered["world_6"], offered["fsdp_offload"]
+    assert six.verify == {"world": 6} and offload.verify == {"offload": True}
+    on_host = offload.change(advice.start)
+    assert on_host.at_step[PARAMETERS] == on_host.at_step[OPTIMIZER_STATE] == 0
+    assert "offload_policy=CPUOffloadPolicy()" in offload.snippet
     now = advice.start
     assert six.change(now).at_step[OPTIMIZER_STATE] == now.at_step[OPTIMIZER_STATE] // 2
     # as many ranks a node as the run had (they divide 6): two nodes

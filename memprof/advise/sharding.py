@@ -62,6 +62,17 @@ def _distributed(peak: Peak, ctx: Context) -> list[Remedy]:
             "FullyShardedDataParallel(model, ...,"
             " sharding_strategy=ShardingStrategy.FULL_SHARD)",
             {"shard": "FULL_SHARD", "units": _units(ctx)}))
+    if any(s == "fsdp2" or s.startswith("fsdp1:") for s in strategies):
+        found.append(Remedy(
+            "fsdp_offload", "FSDP CPU offload of the shards", "offload", 9,
+            "time: each unit's shard crosses PCIe before its all-gather and its gradient"
+            " after its reduce-scatter; the optimizer steps on the CPU; host RAM for the"
+            " shards and the optimizer state", SEED,
+            "the rank's parameter, gradient and optimizer-state shards and the optimizer"
+            " step's temporaries stay on the host; the gathered units stay on the card",
+            _on_host, _offload_snippet(ctx, strategies),
+            # FSDP1's CPUOffload moves its flat parameter in place: not on a virtual card
+            {"offload": True} if "fsdp2" in strategies else {}))
     sharded = set().union(*(SHARDED.get(s, ()) for s in strategies)) if strategies else set()
     if ctx.gpus > world and sharded:
         n = ctx.gpus
@@ -143,6 +154,30 @@ def _fsdp_snippet(ctx: Context, strategy: str, units: list[str]) -> str:
             f"model = FullyShardedDataParallel(model, auto_wrap_policy={wrap},\n"
             f"    sharding_strategy=ShardingStrategy.{strategy}, use_orig_params=True,\n"
             "    device_id=torch.cuda.current_device())  # instead of DistributedDataParallel")
+
+
+def _on_host(p: Peak) -> Peak:
+    """``p`` with FSDP's shards and the optimizer's step on the host."""
+    q = p.scaled({PARAMETERS: 0, GRADIENTS: 0, OPTIMIZER_STATE: 0})
+    return replace(q, at_step={**q.at_step, TEMPORARIES: 0})
+
+
+def _offload_snippet(ctx: Context, strategies: set[str]) -> str:
+    """FSDP's CPU offload in the terms of the loop's library, else of the FSDP in use."""
+    if ctx.loop == "transformers":
+        return 'TrainingArguments(..., fsdp="full_shard offload auto_wrap")'
+    if ctx.loop == "accelerate":
+        return ("accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(\n"
+                "    ..., cpu_offload=True))")
+    if ctx.loop == "lightning":
+        return "trainer = L.Trainer(..., strategy=FSDPStrategy(..., cpu_offload=True))"
+    if "fsdp2" in strategies:
+        return ("from torch.distributed.fsdp import CPUOffloadPolicy\n\n"
+                "# in every fully_shard call (the optimizer then steps on the CPU)\n"
+                "fully_shard(module, ..., offload_policy=CPUOffloadPolicy())")
+    return ("from torch.distributed.fsdp import CPUOffload\n\n"
+            "model = FullyShardedDataParallel(model, ...,"
+            " cpu_offload=CPUOffload(offload_params=True))")
 
 
 def _units(ctx: Context) -> list[str]:

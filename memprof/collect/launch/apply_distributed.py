@@ -7,7 +7,9 @@ suggest --verify`` (``MEMPROF_APPLY``, read by ``apply.py``):
   ...)`` is ``FullyShardedDataParallel(model, sharding_strategy=FULL_SHARD,
   auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)`` instead (a wrapper
   with DDP's ``module`` and ``no_sync``), and every ``FullyShardedDataParallel`` the script
-  makes itself gets that sharding strategy.
+  makes itself gets that sharding strategy;
+- ``{"offload": true}``: FSDP2 keeps the shards on the host, ``fully_shard(...,
+  offload_policy=CPUOffloadPolicy())`` (FSDP1's CPUOffload the virtual GPU cannot run).
 
 An optimizer made before the wrapper works as well: with ``use_orig_params`` FSDP keeps the
 parameter objects, their data its shard.
@@ -16,6 +18,8 @@ parameter objects, their data its shard.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +28,8 @@ import torch
 from memprof.collect.hooks.parallelism import model_class
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+# where scripts import FSDP2's fully_shard from (the older path too)
+FULLY_SHARD_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 
 
 @contextlib.contextmanager
@@ -32,25 +38,42 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
     strategy, units = asked.get("shard"), asked.get("units") or []
     sharded = strategy in STRATEGIES and isinstance(units, list) \
         and all(isinstance(u, str) for u in units)
-    if asked.get("bucket_view") is not True and not sharded:
+    views, offload = asked.get("bucket_view") is True, asked.get("offload") is True
+    if not (sharded or views or offload):
         yield
         return
     import torch.nn.parallel as parallel
     import torch.nn.parallel.distributed as distributed
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-    ddp, fsdp_init = distributed.DistributedDataParallel, FullyShardedDataParallel.__init__
+    forced: dict[str, Any] = {}  # FullyShardedDataParallel's arguments, as the remedy has them
+    patches: list[tuple[Any, str, Any]] = []
+    ddp = distributed.DistributedDataParallel
     if sharded:
+        forced["sharding_strategy"] = ShardingStrategy[str(strategy)]
         instead = _fsdp_instead(str(strategy), frozenset(units))
-        FullyShardedDataParallel.__init__ = _with_strategy(fsdp_init, str(strategy))
-    else:
-        instead = _bucket_views(ddp)
-    parallel.DistributedDataParallel = distributed.DistributedDataParallel = instead
+        patches += [(parallel, "DistributedDataParallel", instead),
+                    (distributed, "DistributedDataParallel", instead)]
+    elif views:
+        viewed = _bucket_views(ddp)
+        patches += [(parallel, "DistributedDataParallel", viewed),
+                    (distributed, "DistributedDataParallel", viewed)]
+    if offload:
+        for name in FULLY_SHARD_MODULES:
+            with contextlib.suppress(ImportError):
+                owner = importlib.import_module(name)
+                patches.append((owner, "fully_shard", _offloaded(owner.fully_shard)))
+    if forced:
+        patches.append((FullyShardedDataParallel, "__init__",
+                        _with_arguments(FullyShardedDataParallel.__init__, forced)))
+    kept = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        parallel.DistributedDataParallel = distributed.DistributedDataParallel = ddp
-        FullyShardedDataParallel.__init__ = fsdp_init
+        for owner, name, value in reversed(kept):
+            setattr(owner, name, value)
 
 
 def _bucket_views(ddp: type) -> type:
@@ -76,13 +99,26 @@ def _fsdp_instead(strategy: str, units: frozenset[str]) -> type:
     return DistributedDataParallel
 
 
-def _with_strategy(init: Callable[..., None], strategy: str) -> Callable[..., None]:
-    def with_strategy(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        from torch.distributed.fsdp import ShardingStrategy
+# FullyShardedDataParallel.__init__'s parameters after the module, in order (positional use)
+_FSDP1_POSITIONAL = ("process_group", "sharding_strategy")
 
-        if len(args) >= 2:  # process_group, sharding_strategy, ... given by position
-            args = (args[0], ShardingStrategy[strategy], *args[2:])
-        else:
-            kwargs["sharding_strategy"] = ShardingStrategy[strategy]
-        init(self, module, *args, **kwargs)
-    return with_strategy
+
+def _with_arguments(init: Callable[..., None], forced: dict[str, Any]) -> Callable[..., None]:
+    def with_arguments(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        given = list(args)
+        for i, name in enumerate(_FSDP1_POSITIONAL[:len(given)]):
+            if name in forced:
+                given[i] = forced[name]
+        kwargs.update({k: v for k, v in forced.items()
+                       if k not in _FSDP1_POSITIONAL[:len(given)]})
+        init(self, module, *given, **kwargs)
+    return with_arguments
+
+
+def _offloaded(fully_shard: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fully_shard)  # its attributes too (``fully_shard.state``)
+    def offloaded(module: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        return fully_shard(module, *args, **{**kwargs, "offload_policy": CPUOffloadPolicy()})
+    return offloaded

@@ -25,6 +25,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor
+from memprof.collect.virtual.unsupported import VirtualGpuUnsupported
 
 SET_DATA = torch._C.TensorBase.data.__set__  # what the routing mode sees for ``t.data = v``
 _MAKE_SUBCLASS = torch._C.TensorBase._make_subclass
@@ -114,7 +115,13 @@ def set_data(target: torch.Tensor, value: torch.Tensor) -> None:
     made = _with_attributes(_on(twin(type(target), kind), value, target.requires_grad), target)
     if isinstance(target, torch.nn.Parameter):
         made._is_param = True
-    torch.utils.swap_tensors(target, made)
+    try:
+        torch.utils.swap_tensors(target, made)
+    except RuntimeError as exc:  # views of it live (FSDP1's flat parameter, offloaded)
+        raise VirtualGpuUnsupported(
+            "moving a tensor between the card and the host in place while views of it"
+            " live", str(exc).split(" make sure")[0], "FSDP1's CPUOffload is one such:"
+            " FSDP2's CPUOffloadPolicy runs") from None
 
 
 def swapping(swap_tensors: Callable[[torch.Tensor, torch.Tensor], None]
