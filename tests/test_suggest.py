@@ -234,11 +234,16 @@ def test_a_hugging_face_model_and_trainer_get_the_librarys_switches(runs: Path):
 def test_loading_weights_is_seen(tmp_path: Path):
     from memprof.collect.cpu.recorder import CpuRecorder
 
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
     saved = torch.nn.Linear(4, 4).state_dict()
     original = torch.nn.Module.load_state_dict
     for load in (False, True):
         with CpuRecorder() as recorder:
             model = torch.nn.Linear(4, 4)
+            # torch.distributed's helper loads the model's own state, as accelerate's FSDP
+            # preparation does when it shards a model: no weights from elsewhere
+            set_model_state_dict(model, model.state_dict())
             if load:
                 model.load_state_dict(saved)
             model(torch.ones(2, 4)).sum().backward()

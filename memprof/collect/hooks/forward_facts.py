@@ -30,6 +30,11 @@ from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS, LOSS_LOGITS
 _ZERO_GRADS: tuple[type, ...] = (torch.optim.Optimizer, torch.nn.Module)
 
 
+# libraries that load a model's own state into it while wrapping it (accelerate's FSDP2
+# preparation, torch.distributed's state-dict helpers): no weights from elsewhere
+_RESHARDING_LOADS = ("/accelerate/", "/torch/distributed/")
+
+
 class ForwardFacts:
     """The module stack, zero_grad's flag and the attention scores seen in a run."""
 
@@ -135,7 +140,9 @@ class ForwardFacts:
     def _wrap_load(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def load_state_dict(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            self.loaded_state_dict = True
+            caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+            if not any(part in caller for part in _RESHARDING_LOADS):
+                self.loaded_state_dict = True
             return original(module, *args, **kwargs)
         HIDDEN_CODES.add(load_state_dict.__code__)
         return load_state_dict
