@@ -54,7 +54,7 @@ def test_a_recorded_command_that_runs_code_is_not_run(own: Path, tmp_path: Path)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("forgery", ["copied", "edited", "other key"])
+@pytest.mark.parametrize("forgery", ["copied", "edited", "launcher added", "other key"])
 def test_a_signature_only_this_user_can_make(own: Path, tmp_path: Path, forgery: str,
                                              monkeypatch: pytest.MonkeyPatch):
     marker = tmp_path / "pwned"
@@ -64,6 +64,8 @@ def test_a_signature_only_this_user_can_make(own: Path, tmp_path: Path, forgery:
         handed = _handed(own, tmp_path, command=_payload(marker), signature=signature)
     elif forgery == "edited":  # the folder it ran in, changed
         handed = _handed(own, tmp_path, cwd=str(tmp_path))
+    elif forgery == "launcher added":  # variables a re-run would set, not recorded here
+        handed = _handed(own, tmp_path, launcher_env={"ACCELERATE_USE_FSDP": "true"})
     else:  # signed by the same memprof elsewhere: another user's key
         handed = _handed(own, tmp_path)
         monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "another-user"))
@@ -88,6 +90,34 @@ def test_a_handed_report_is_re_run_with_the_command_the_user_gives(own: Path, tm
 def test_a_given_command_must_be_a_script(own: Path, text: str):
     result = suggest(own, "run", "--budget", "1MB", "--verify", "--rerun-command", text)
     assert result.code == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+LAUNCHED = ("import os, torch\nopen('seen.txt', 'w').write(os.environ.get("
+            "'FSDP_SHARDING_STRATEGY', 'unset'))\n" + TRAIN)
+
+
+def test_a_re_run_sets_again_what_the_launcher_set(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch):
+    """accelerate launch configures the processes it starts through variables
+    (``ACCELERATE_USE_FSDP``, ``FSDP_*``): a re-run of a report signed here sets them
+    again; a command the user gives runs in the user's own environment."""
+    from test_run_cli import run_python
+
+    from memprof.advise.rerun import Rerun
+    from memprof.advise.source import load_run
+
+    (tmp_path / "train.py").write_text(LAUNCHED)
+    ran = run_python(["-m", "memprof", "run", "-o", "run", "train.py"], tmp_path,
+                     env={"FSDP_SHARDING_STRATEGY": "FULL_SHARD"})
+    assert ran.code == 0, ran.stderr
+    run = load_run(tmp_path / "run")
+    assert run.facts["launcher_env"] == {"FSDP_SHARDING_STRATEGY": "FULL_SHARD"}
+    (tmp_path / "seen.txt").unlink()
+    assert "FSDP_SHARDING_STRATEGY" not in os.environ
+    Rerun.of(run).peak()
+    assert (tmp_path / "seen.txt").read_text() == "FULL_SHARD"
+    monkeypatch.chdir(tmp_path)  # a given command runs from here
+    assert Rerun.of(run, ["train.py"]).env is None
 
 
 def test_the_secret_is_the_users_alone(own: Path):

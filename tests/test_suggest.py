@@ -232,9 +232,9 @@ def test_a_hugging_face_model_and_trainer_get_the_librarys_switches(runs: Path):
 
 
 def test_loading_weights_is_seen(tmp_path: Path):
-    from memprof.collect.cpu.recorder import CpuRecorder
-
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    from memprof.collect.cpu.recorder import CpuRecorder
 
     saved = torch.nn.Linear(4, 4).state_dict()
     original = torch.nn.Module.load_state_dict
@@ -529,3 +529,21 @@ def test_a_peak_never_reserves_less_than_a_segment(runs: Path):
     start = advise(load_run(runs / "mlp"), parse_budget("1MB")).start
     tiny = start.scaled({k: 1e-5 for k in start.at_peak})  # a few KiB allocated
     assert 0 < tiny.allocated < 64 << 10 and tiny.reserved == 2 << 20
+
+
+def test_re_runs_that_do_not_reproduce_the_run_are_said_so():
+    """A re-run as recorded more than 5% from the recorded peak (a phase the re-runs do
+    not reach, a launcher's configuration not set again) makes --fit-batch's answer unused
+    and --gpus N's measurement an estimate: the reason says both figures."""
+    from memprof.advise.verify import Failed, unreproduced
+
+    def peak(reserved: int) -> Peak:
+        return Peak({"parameters": reserved}, {"parameters": reserved}, 0.0)
+
+    mib = 1 << 20
+    assert unreproduced(124 * mib, peak(124 * mib), "as recorded") is None
+    assert unreproduced(124 * mib, peak(128 * mib), "as recorded") is None  # within 5%
+    assert unreproduced(124 * mib, None, "as recorded") is None  # out of memory: unknown
+    assert unreproduced(124 * mib, Failed("no"), "as recorded") is None
+    why = unreproduced(124 * mib, peak(220 * mib), "as recorded")
+    assert why is not None and "measured 220.00 MiB where the run recorded 124.00 MiB" in why

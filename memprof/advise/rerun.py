@@ -39,6 +39,7 @@ class Rerun:
     alloc_conf: str
     cwd: str | None = None  # the folder it ran from (None: the current one)
     rank: Rank | None = None  # a rank of a distributed run: the world is launched again
+    env: dict[str, str] | None = None  # what its launcher set (accelerate launch's settings)
 
     @classmethod
     def of(cls, run: Run, given: list[str] | None = None) -> Rerun:
@@ -63,7 +64,9 @@ class Rerun:
         if _bad_conf(conf):
             raise MemprofError(f"{run.path}: run.allocator_conf is not allocator settings")
         cwd = facts.get("cwd") if given is None else None
-        rerun = cls(given or recorded, where, _steps_to_peak(run), conf, cwd, _rank(run, where))
+        env = facts.get("launcher_env") if given is None else None
+        rerun = cls(given or recorded, where, _steps_to_peak(run), conf, cwd, _rank(run, where),
+                    env)
         if rerun.target[0] not in ("-m", "-c") and not Path(cwd or ".", rerun.script).is_file():
             where_from = f"from {cwd}, where it ran" if cwd else \
                 "from here (run memprof suggest in the folder memprof run ran in)"
@@ -86,7 +89,7 @@ class Rerun:
                     *self.where, *(["--steps", str(self.steps)] if self.steps else []),
                     *(["--alloc-conf", conf] if conf else []),
                     *(self.rank.options(self.where, world) if self.rank else []), *target]
-            env = {**os.environ, "MEMPROF_APPLY": json.dumps(apply or {})}
+            env = {**os.environ, **(self.env or {}), "MEMPROF_APPLY": json.dumps(apply or {})}
             done = warm.run(args, self.cwd or os.getcwd(), env)
             reports = [out / "report.json"] if self.rank is None else \
                 sorted(out.glob("rank-*/report.json"))

@@ -19,6 +19,7 @@ from memprof.errors import MemprofError
 
 BASELINE = "baseline"
 PLAN = "plan"
+REPRODUCED = 0.05  # a re-run as recorded within this share of the recorded peak reproduces it
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
     for ranked in advice.ranked:
         if verifiable(ranked.remedy, batch_arg):
             progress(ranked.remedy.title)
-            measured[ranked.remedy.key] = _attempt(rerun, [ranked.remedy.verify], batch_arg)
+            measured[ranked.remedy.key] = attempt(rerun, [ranked.remedy.verify], batch_arg)
     idle = tuple(idle_remedies(measured))
     if any(step.remedy.key in idle for step in advice.plan.steps):
         kept = [r.remedy for r in advice.ranked if r.remedy.key not in idle]
@@ -61,7 +62,7 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
     if steps and all(verifiable(s.remedy, batch_arg)
                      and not isinstance(measured.get(s.remedy.key), Failed) for s in steps):
         progress("the whole plan")
-        measured[PLAN] = _attempt(rerun, [s.remedy.verify for s in steps], batch_arg)
+        measured[PLAN] = attempt(rerun, [s.remedy.verify for s in steps], batch_arg)
     return advice, measured
 
 
@@ -72,8 +73,23 @@ def measure_remedies(remedies: list[Remedy], rerun: Rerun, progress: Callable[[s
     measured: Measured = {}
     for remedy in remedies:
         progress(remedy.title)
-        measured[remedy.key] = _attempt(rerun, [remedy.verify], None)
+        measured[remedy.key] = attempt(rerun, [remedy.verify], None)
     return measured
+
+
+def unreproduced(recorded: int, again: Peak | Failed | None, as_recorded: str) -> str | None:
+    """Why the re-runs measure something else than the run (``again``: the re-run
+    ``as_recorded``, of a recorded peak of ``recorded`` reserved bytes): its peak is not
+    within ``REPRODUCED`` of the run's (a phase the re-runs do not reach, an environment
+    a launcher gave the run). None when it reproduces the run, or could not say."""
+    from memprof.report.units import format_bytes
+
+    if not isinstance(again, Peak) or abs(again.reserved - recorded) <= REPRODUCED * recorded:
+        return None
+    return (f"the re-run {as_recorded} measured {format_bytes(again.reserved)} where the run"
+            f" recorded {format_bytes(recorded)}: the re-runs do not reproduce the run (a"
+            " phase they do not reach, or what its launcher set, such as accelerate"
+            " launch's configuration)")
 
 
 def idle_remedies(measured: Measured) -> list[str]:
@@ -85,8 +101,10 @@ def idle_remedies(measured: Measured) -> list[str]:
             and isinstance(peak, Peak) and peak.reserved >= base.reserved]
 
 
-def _attempt(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None
-             ) -> Peak | Failed | None:
+def attempt(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None
+            ) -> Peak | Failed | None:
+    """The peak of a re-run with the remedies ``specs`` applied (none: as recorded), None
+    where it ran out of memory, or why it failed."""
     try:
         return _run(rerun, specs, batch_arg)
     except MemprofError as exc:

@@ -19,7 +19,7 @@ def run_facts(recording: Recording, meta: dict[str, Any], target: Target,
     ran out of memory needs."""
     import torch
 
-    from memprof.collect.launch.script import torchrun_rank
+    from memprof.collect.launch.script import launcher_env, torchrun_rank
     from memprof.report.console import NO_STEPS_RECORDED
     from memprof.report.provenance import sign
 
@@ -28,6 +28,7 @@ def run_facts(recording: Recording, meta: dict[str, Any], target: Target,
     facts = {
         "command": run_command(target),
         **launched,
+        "launcher_env": launcher_env(),
         "torch_version": torch.__version__,
         "device": recording.device,
         "predicted": recording.predicted,

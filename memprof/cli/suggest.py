@@ -116,10 +116,15 @@ def suggest(
             notes.print(f"memprof: the run recorded no optimizer step, so each re-run runs the"
                         f" whole script{f' ({took:.0f} s as recorded)' if took else ''}")
         if verify:
+            from memprof.advise.verify import BASELINE, unreproduced
             from memprof.advise.verify import verify as measure
 
             advice, measured = measure(advice, rerun, batch_arg,
                                        lambda what: notes.print(f"memprof: measuring {what} ..."))
+            why = unreproduced(run.device["peak"]["reserved_bytes"], measured.get(BASELINE),
+                               "as recorded")
+            if why is not None:
+                notes.print(f"memprof: {why}: the measured peaks may not be this run's")
         if fit_batch:
             batch = _fit(rerun, fit_batch, chosen.bytes, notes,
                          run.device["peak"]["reserved_bytes"])
@@ -172,7 +177,7 @@ def _other_world(advice: Advice, run: Run, gpus: int, rerun_command: str | None,
     unasked)."""
     from memprof.advise.remedies import catalogue
     from memprof.advise.rerun import Rerun, given_command
-    from memprof.advise.verify import measure_remedies
+    from memprof.advise.verify import attempt, measure_remedies, unreproduced
 
     world = [r for r in catalogue(advice.start, advice.context) if r.key == f"world_{gpus}"]
     if not world:
@@ -185,11 +190,14 @@ def _other_world(advice: Advice, run: Run, gpus: int, rerun_command: str | None,
     except MemprofError as exc:
         notes.print(f"memprof: --gpus {gpus} is estimated only: {exc.message}")
         return None
+    notes.print("memprof: measuring the run as recorded ...")
+    why = unreproduced(run.device["peak"]["reserved_bytes"], attempt(rerun, [], None),
+                       "as recorded")
+    if why is not None:
+        notes.print(f"memprof: --gpus {gpus} is estimated only: {why}")
+        return None
     return measure_remedies(world, rerun,
                             lambda what: notes.print(f"memprof: measuring {what} ..."))
-
-
-REPRODUCED = 0.05  # a re-run as recorded within this share of the recorded peak reproduces it
 
 
 def _fit(rerun: object, name: str, budget: int, notes: Console, recorded: int
@@ -198,6 +206,7 @@ def _fit(rerun: object, name: str, budget: int, notes: Console, recorded: int
     does not reproduce the recorded peak (then no answer: the re-runs measure something
     else, a phase they do not reach, say)."""
     from memprof.advise.rerun import fit_batch
+    from memprof.advise.verify import unreproduced
     from memprof.report.units import format_bytes
 
     first: list[object] = []
@@ -209,11 +218,10 @@ def _fit(rerun: object, name: str, budget: int, notes: Console, recorded: int
             first.append(peak)
 
     value, runs = fit_batch(rerun, name, budget, progress)  # type: ignore[arg-type]
-    again = first[0] if first else None
-    if again is not None and abs(again.reserved - recorded) > REPRODUCED * recorded:
-        why = (f"the re-run at the recorded --{name} measured {format_bytes(again.reserved)}"
-               f" where the run recorded {format_bytes(recorded)}: the re-runs do not reach"
-               " the recorded peak, so their answer is not used")
+    why = unreproduced(recorded, first[0] if first else None,  # type: ignore[arg-type]
+                       f"at the recorded --{name}")
+    if why is not None:
+        why += ", so their answer is not used"
         notes.print(f"memprof: {why}")
         return {"arg": name, "largest": None, "runs": runs, "not_reproduced": why}
     return {"arg": name, "largest": value, "runs": runs, "not_reproduced": None}

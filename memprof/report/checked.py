@@ -203,7 +203,8 @@ MODEL = record(
         shape=items(COUNT), dims=items(TEXT))))),
 )
 RUN = record(
-    command=items(TEXT), started=TEXT, cwd=TEXT, torch_version=TEXT, device=TEXT,
+    command=items(TEXT), started=TEXT, cwd=TEXT, launcher_env=optional(table(TEXT)),
+    torch_version=TEXT, device=TEXT,
     predicted=FLAG, allocator_conf=TEXT, duration_s=SECONDS,
     exit=record(status=TEXT, code=_integer(-(1 << 31), 1 << 31, "an exit code"),
                 error=optional(TEXT)),

@@ -50,7 +50,10 @@ def signed_here(facts: dict[str, Any]) -> bool:
 
 
 def _mac(key: bytes, facts: dict[str, Any]) -> str:
-    signed = json.dumps([facts.get(name) for name in SIGNED], sort_keys=True, default=repr)
+    # a launcher's variables where there were any (reports signed before they were kept
+    # stay signed): dropping or adding them breaks the signature either way
+    names = SIGNED + (("launcher_env",) if facts.get("launcher_env") is not None else ())
+    signed = json.dumps([facts.get(name) for name in names], sort_keys=True, default=repr)
     return hmac.new(key, signed.encode(), hashlib.sha256).hexdigest()
 
 

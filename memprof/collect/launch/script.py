@@ -278,6 +278,18 @@ def torchrun_local() -> tuple[int, int]:
     return local, max(local + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+# what launchers tell the processes they start, beyond torchrun's variables: accelerate
+# launch's configuration (its FSDP, DeepSpeed and mixed-precision settings)
+LAUNCHER_PREFIXES = ("ACCELERATE_", "FSDP_")
+
+
+def launcher_env() -> dict[str, str] | None:
+    """The variables a launcher's configuration set for this process (``accelerate
+    launch``'s), for a re-run to set them again; None where there are none."""
+    found = {k: v for k, v in os.environ.items() if k.startswith(LAUNCHER_PREFIXES)}
+    return dict(sorted(found.items())) or None
+
+
 def torchrun_rank() -> tuple[int, int]:
     """This process's (rank, world size) under torchrun; (0, 1) otherwise."""
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
