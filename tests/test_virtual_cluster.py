@@ -336,13 +336,14 @@ def test_suggests_offload_keeps_fsdps_shards_on_the_host(group: VirtualGpu) -> N
                 older.fully_shard(layer)  # the older path scripts import it from
         fsdp.fully_shard(two)
         assert torch.cuda.memory_allocated() == 0  # every shard is the host's
-        # FSDP1's offload moves its flat parameter to the host in place, views of it alive:
-        # the virtual GPU says in one line it cannot (suggest offers it as an estimate)
-        from memprof.collect.virtual.unsupported import VirtualGpuUnsupported
-
-        with pytest.raises(VirtualGpuUnsupported, match="FSDP2's CPUOffloadPolicy runs"):
-            fsdp.FullyShardedDataParallel(model_on_card(), device_id=0)
     assert all(p.to_local().device.type == "cpu" for p in two.parameters())
+    # FSDP1's offload moves its flat parameter to the host in place, views of it alive: the
+    # virtual GPU says in one line it cannot (suggest offers it as an estimate only)
+    from memprof.collect.virtual.unsupported import VirtualGpuUnsupported
+
+    with pytest.raises(VirtualGpuUnsupported, match="FSDP2's CPUOffloadPolicy runs"):
+        fsdp.FullyShardedDataParallel(model_on_card(), device_id=0,
+                                      cpu_offload=fsdp.CPUOffload(offload_params=True))
 
 
 # --- ranks as processes: reports, the answer, explain, check and suggest -----------------
@@ -410,13 +411,19 @@ model(torch.ones(4, 64, device="cuda"))
 """
 
 
-@jobs
-def fsdp_ends_in_forward(where: Path) -> tuple[Any, Path]:
-    (where / "ends.py").write_text(ENDS_IN_FORWARD)
+def two_ranks_of(where: Path, script: str, **env: str) -> tuple[Any, Path]:
+    """``memprof run --nproc-per-node 2`` of ``script`` (its text; the samples' folder on
+    the path) in ``where``, with ``env`` set: the result and the run folder."""
+    (where / "script.py").write_text(script)
     out = where / "out"
     return run_python(["-m", "memprof", "run", "--nproc-per-node", "2", "-o", out,
-                       "--no-timeline", "ends.py"], where,
-                      env={"PYTHONPATH": str(SAMPLES)}), out
+                       "--no-timeline", "script.py"], where,
+                      env={"PYTHONPATH": str(SAMPLES), **env}), out
+
+
+@jobs
+def fsdp_ends_in_forward(where: Path) -> tuple[Any, Path]:
+    return two_ranks_of(where, ENDS_IN_FORWARD)
 
 
 @jobs
@@ -444,12 +451,8 @@ for _ in range(2):
 @jobs
 def fsdp_instead_of_ddp(where: Path) -> tuple[Any, Path]:
     """DDP with suggest's remedy applied: FSDP FULL_SHARD, the model one unit."""
-    (where / "first.py").write_text(OPTIMIZER_FIRST)
-    out = where / "out"
-    return run_python(["-m", "memprof", "run", "--nproc-per-node", "2", "-o", out,
-                       "--no-timeline", "first.py"], where,
-                      env={"MEMPROF_APPLY": '{"shard": "FULL_SHARD", "units": []}',
-                           "PYTHONPATH": str(SAMPLES)}), out
+    return two_ranks_of(where, OPTIMIZER_FIRST,
+                        MEMPROF_APPLY='{"shard": "FULL_SHARD", "units": []}')
 
 
 @jobs
