@@ -740,6 +740,14 @@ def test_the_answer_names_the_worst_rank_or_the_first_out_of_memory() -> None:
     ranks = [RankPeak(r, Path(f"rank-{r}/report.json"), reserved=(3 + r % 2) * gib,
                       context=gib // 2, total=80 * gib, steps=4) for r in range(4)]
     assert answer(Cluster(ranks, "H100")) == "fits: worst rank 4.50 GiB of 80.00 GiB (rank 1)"
+    # a rank that failed otherwise leads, with its error; the run did not get through, so
+    # what the ranks held until then is no verdict
+    raised = {"status": "raised", "code": 1, "error": "AssertionError\n  at train.py:12"}
+    failing = [*ranks[:3], RankPeak(3, ranks[3].report, reserved=gib, context=gib // 2,
+                                    total=80 * gib, exit=raised)]
+    assert answer(Cluster(failing, "H100")) == (
+        "rank 3 raised (exit code 1) after 0 steps: AssertionError; until then: worst rank"
+        " 4.50 GiB of 80.00 GiB (rank 1)")
     error = ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 3 has a"
              " total capacity of 79.19 GiB ...  See documentation for Memory Management")
     ranks[3] = RankPeak(3, ranks[3].report, steps=1, out_of_memory=True,

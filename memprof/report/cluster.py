@@ -160,20 +160,27 @@ def worst_report(folder: Path) -> Path | None:
 
 def answer(cluster: Cluster) -> str:
     """The line that leads: whether the worst rank fits its card, or the first rank that
-    ran out of memory and PyTorch's message for it; first, a rank that failed otherwise."""
-    verdict = _verdict(cluster)
+    ran out of memory and PyTorch's message for it; first, a rank that failed otherwise,
+    its error, and then only what the ranks held until then (no verdict: the run did not
+    get through)."""
     failed = next((r for r in cluster.ranks if r.report is None or (
         not r.out_of_memory and (r.exit or {}).get("code"))), None)
+    verdict = _verdict(cluster, failed is not None)
     if failed is None:
         return verdict or "no rank wrote a report"
     ended = failed.exit or {}
     why = (f"rank {failed.rank} wrote no report" if failed.report is None else
-           f"rank {failed.rank} {ended.get('status')} (exit code {ended.get('code')})")
+           f"rank {failed.rank} {ended.get('status')} (exit code {ended.get('code')})"
+           f" after {failed.steps} step{'s' * (failed.steps != 1)}")
+    error = next((line.strip() for line in str(ended.get("error") or "").splitlines()
+                  if line.strip()), "")
+    why += f": {error}" if error else ""
     return f"{why}; {verdict}" if verdict else why
 
 
-def _verdict(cluster: Cluster) -> str:
-    """Whether the worst rank fits, or the first out of memory ("": no report)."""
+def _verdict(cluster: Cluster, cut_short: bool = False) -> str:
+    """Whether the worst rank fits, or the first out of memory ("": no report); of a run
+    ``cut_short`` by a failure, what the worst rank held until then."""
     first = cluster.first_out_of_memory()
     if first is not None:
         error = (first.exit or {}).get("error") or "out of memory"
@@ -184,7 +191,8 @@ def _verdict(cluster: Cluster) -> str:
         return ""
     if not worst.total:
         return f"worst rank: {fb(worst.reserved)} reserved at its peak (rank {worst.rank})"
-    verdict = "fits" if worst.on_card <= worst.total else "does not fit"
+    verdict = "does not fit" if worst.on_card > worst.total else \
+        "until then" if cut_short else "fits"
     return f"{verdict}: worst rank {fb(worst.on_card)} of {fb(worst.total)} (rank {worst.rank})"
 
 
