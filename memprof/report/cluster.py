@@ -174,7 +174,7 @@ def answer(cluster: Cluster) -> str:
            f" after {failed.steps} step{'s' * (failed.steps != 1)}")
     error = next((line.strip() for line in str(ended.get("error") or "").splitlines()
                   if line.strip()), "")
-    why += f": {error}" if error else ""
+    why += f": {error.rstrip(':')}" if error else ""
     return f"{why}; {verdict}" if verdict else why
 
 
