@@ -346,6 +346,51 @@ def test_suggests_offload_keeps_fsdps_shards_on_the_host(group: VirtualGpu) -> N
                                       cpu_offload=fsdp.CPUOffload(offload_params=True))
 
 
+@pytest.mark.parametrize("group", [(1, 4)], indirect=True)
+def test_hsdp_is_seen_and_suggest_can_shard_it_over_every_rank(group: VirtualGpu) -> None:
+    """HSDP (fully_shard on a (replicas, shards) mesh) holds each weight's rows over the
+    shards alone; ``{"flat_mesh": true}`` (suggest's FSDP over every GPU) shards them over
+    all 4 ranks, and the remedy's estimate divides the model state by 4 instead of 2."""
+    import torch.distributed.fsdp as fsdp
+
+    from memprof.advise.peak import peak_of
+    from memprof.advise.remedies import Context
+    from memprof.advise.sharding import sharding_remedies
+    from memprof.collect.hooks.parallelism import parallelism
+    from memprof.collect.launch.apply_distributed import distributed_applied
+    from memprof.trace.model import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
+
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def sharded() -> torch.nn.Sequential:
+        model = model_on_card()
+        for layer in model.modules():
+            if isinstance(layer, torch.nn.Linear):
+                fsdp.fully_shard(layer, mesh=mesh)
+        return fsdp.fully_shard(model, mesh=mesh)
+
+    hybrid = sharded()
+    assert [p.to_local().shape[0] for p in hybrid.parameters()] == [
+        padded_rows(s[0], 2) for s in shapes()]
+    facts = parallelism(hybrid.modules())
+    assert facts == {"strategies": ["fsdp2"], "meshes": [
+        {"shape": [2, 2], "dims": ["replicate", "shard"],
+         "placements": ["Replicate()", "Shard(dim=0)"]}]}
+    with distributed_applied({"flat_mesh": True}):
+        flat = sharded()
+    assert [p.to_local().shape[0] for p in flat.parameters()] == [
+        padded_rows(s[0], 4) for s in shapes()]
+    held = dict.fromkeys(("parameters", "gradients", "optimizer_state"), 1 << 20)
+    device = {"categories": held, "peak": {"allocated_bytes": 3 << 20,
+                                           "reserved_bytes": 3 << 20}}
+    context = Context({"parallelism": facts, "parameters": 1}, world_size=4)
+    (remedy,) = [r for r in sharding_remedies(peak_of(device), context)
+                 if r.key == "fsdp_flat_mesh"]
+    assert remedy.verify == {"flat_mesh": True}
+    after = remedy.change(peak_of(device))
+    assert [after.at_step[k] for k in (PARAMETERS, GRADIENTS, OPTIMIZER_STATE)] == [1 << 19] * 3
+
+
 # --- ranks as processes: reports, the answer, explain, check and suggest -----------------
 
 jobs = Jobs()
@@ -510,8 +555,8 @@ def test_every_fsdp2_rank_holds_its_shard_and_the_answer_comes_first(
     assert (summary["schema"], summary["world_size"], summary["nodes"], summary["answer"],
             summary["worst_rank"]) == ("memprof.cluster/1", world, 1, lines[answer], 0)
     # fully_shard over the default mesh of the world
-    assert summary["parallelism"] == {"strategies": ["fsdp2"],
-                                      "meshes": [{"shape": [world], "dims": []}]}
+    assert summary["parallelism"] == {"strategies": ["fsdp2"], "meshes": [
+        {"shape": [world], "dims": [], "placements": ["Shard(dim=0)"]}]}
     assert [(r["rank"], r["report"], r["peak_reserved_bytes"]) for r in summary["ranks"]] == [
         (r, f"rank-{r}/report.json",
          report(out / f"rank-{r}")["devices"][0]["peak"]["reserved_bytes"])

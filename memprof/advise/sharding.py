@@ -73,6 +73,22 @@ def _distributed(peak: Peak, ctx: Context) -> list[Remedy]:
             _on_host, _offload_snippet(ctx, strategies),
             # FSDP1's CPUOffload moves its flat parameter in place: not on a virtual card
             {"offload": True} if "fsdp2" in strategies else {}))
+    hybrid = _hsdp_mesh(ctx)
+    if hybrid is not None:
+        replicas, shards = hybrid
+        found.append(Remedy(
+            "fsdp_flat_mesh", f"FSDP over all {world} GPUs instead of HSDP ({replicas}"
+            f" replicas of {shards})", "sharding", 6,
+            "communication: all-gathers and reduce-scatters span every GPU (across nodes),"
+            " not one replica group", SEED,
+            f"parameters, gradients and optimizer state split {world} ways instead of"
+            f" {shards}",
+            lambda p: p.scaled(dict.fromkeys((PARAMETERS, GRADIENTS, OPTIMIZER_STATE),
+                                             shards / world)),
+            "# the mesh fully_shard gets: one dimension of every rank, not (replicas, shards)\n"
+            f'mesh = init_device_mesh("cuda", ({world},))\n'
+            "fully_shard(module, mesh=mesh)",
+            {"flat_mesh": True}))
     sharded = set().union(*(SHARDED.get(s, ()) for s in strategies)) if strategies else set()
     if ctx.gpus > world and sharded:
         n = ctx.gpus
@@ -178,6 +194,20 @@ def _offload_snippet(ctx: Context, strategies: set[str]) -> str:
     return ("from torch.distributed.fsdp import CPUOffload\n\n"
             "model = FullyShardedDataParallel(model, ...,"
             " cpu_offload=CPUOffload(offload_params=True))")
+
+
+def _hsdp_mesh(ctx: Context) -> tuple[int, int] | None:
+    """(replicas, shards) of an FSDP2 run's HSDP mesh: two dimensions, the parameters
+    replicated over the first and sharded over the second; None for any other run."""
+    facts = ctx.model.get("parallelism") or {}
+    if "fsdp2" not in (facts.get("strategies") or ()):
+        return None
+    for mesh in facts.get("meshes") or ():
+        placements = mesh.get("placements") or []
+        if len(mesh["shape"]) == 2 and placements[:1] == ["Replicate()"] \
+                and str(placements[-1]).startswith("Shard"):
+            return mesh["shape"][0], mesh["shape"][1]
+    return None
 
 
 def _units(ctx: Context) -> list[str]:

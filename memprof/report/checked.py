@@ -200,7 +200,7 @@ MODEL = record(
     eval_module=optional(TEXT), checkpointed=items(TEXT), loaded_state_dict=FLAG,
     ops_traced=FLAG,
     parallelism=optional(record(strategies=items(TEXT), meshes=items(record(
-        shape=items(COUNT), dims=items(TEXT))))),
+        shape=items(COUNT), dims=items(TEXT), placements=optional(items(TEXT)))))),
 )
 RUN = record(
     command=items(TEXT), started=TEXT, cwd=TEXT, launcher_env=optional(table(TEXT)),

@@ -1,7 +1,8 @@
 """How a run's model is spread over its GPUs, read from the modules and parameters the
 hooks saw: the wrappers and strategies (DDP, FSDP1 with its sharding strategy, FSDP2's
 ``fully_shard``, DeepSpeed's engine with its ZeRO stage) and the device meshes its DTensor
-parameters live on (FSDP2, tensor parallel, HSDP: their shape and dimension names).
+parameters live on (FSDP2, tensor parallel, HSDP: their shape, dimension names and how
+each dimension places the parameters).
 
     parallelism(modules)  # {"strategies": ["fsdp2"], "meshes": [{"shape": [8], ...}]}
 """
@@ -26,8 +27,11 @@ def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
             mesh = getattr(p, "device_mesh", None)  # a DTensor's
             if mesh is not None:
                 names = list(mesh.mesh_dim_names or [])
-                meshes.setdefault((tuple(mesh.shape), tuple(names)),
-                                  {"shape": list(mesh.shape), "dims": names})
+                # how each dimension holds it: Replicate() first is HSDP's replicas
+                placements = [repr(placement) for placement in p.placements]
+                meshes.setdefault((tuple(mesh.shape), tuple(names), tuple(placements)),
+                                  {"shape": list(mesh.shape), "dims": names,
+                                   "placements": placements})
     if not strategies and not meshes:
         return None
     return {"strategies": sorted(strategies), "meshes": list(meshes.values())}

@@ -9,7 +9,9 @@ suggest --verify`` (``MEMPROF_APPLY``, read by ``apply.py``):
   with DDP's ``module`` and ``no_sync``), and every ``FullyShardedDataParallel`` the script
   makes itself gets that sharding strategy;
 - ``{"offload": true}``: FSDP2 keeps the shards on the host, ``fully_shard(...,
-  offload_policy=CPUOffloadPolicy())`` (FSDP1's CPUOffload the virtual GPU cannot run).
+  offload_policy=CPUOffloadPolicy())`` (FSDP1's CPUOffload the virtual GPU cannot run);
+- ``{"flat_mesh": true}``: FSDP2 shards over every rank of an HSDP mesh it is given
+  (``fully_shard(..., mesh=<2-D (replicas, shards)>)``): one dimension of them all.
 
 An optimizer made before the wrapper works as well: with ``use_orig_params`` FSDP keeps the
 parameter objects, their data its shard.
@@ -39,7 +41,8 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
     sharded = strategy in STRATEGIES and isinstance(units, list) \
         and all(isinstance(u, str) for u in units)
     views, offload = asked.get("bucket_view") is True, asked.get("offload") is True
-    if not (sharded or views or offload):
+    flat = asked.get("flat_mesh") is True
+    if not (sharded or views or offload or flat):
         yield
         return
     import torch.nn.parallel as parallel
@@ -58,11 +61,12 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
         viewed = _bucket_views(ddp)
         patches += [(parallel, "DistributedDataParallel", viewed),
                     (distributed, "DistributedDataParallel", viewed)]
-    if offload:
+    if offload or flat:
         for name in FULLY_SHARD_MODULES:
             with contextlib.suppress(ImportError):
                 owner = importlib.import_module(name)
-                patches.append((owner, "fully_shard", _offloaded(owner.fully_shard)))
+                patches.append((owner, "fully_shard",
+                                _fully_shard_as(owner.fully_shard, offload, flat)))
     if forced:
         patches.append((FullyShardedDataParallel, "__init__",
                         _with_arguments(FullyShardedDataParallel.__init__, forced)))
@@ -115,10 +119,24 @@ def _with_arguments(init: Callable[..., None], forced: dict[str, Any]) -> Callab
     return with_arguments
 
 
-def _offloaded(fully_shard: Callable[..., Any]) -> Callable[..., Any]:
+def _fully_shard_as(fully_shard: Callable[..., Any], offload: bool, flat: bool
+                    ) -> Callable[..., Any]:
+    """``fully_shard`` with the shards on the host (``offload``) and an HSDP mesh made one
+    dimension of all its ranks (``flat``)."""
+    flattened: dict[int, tuple[Any, Any]] = {}  # a mesh of the script's, its 1-D twin
+
     @functools.wraps(fully_shard)  # its attributes too (``fully_shard.state``)
-    def offloaded(module: Any, *args: Any, **kwargs: Any) -> Any:
+    def as_asked(module: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        return fully_shard(module, *args, **{**kwargs, "offload_policy": CPUOffloadPolicy()})
-    return offloaded
+        if offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        mesh = kwargs.get("mesh")
+        if flat and mesh is not None and mesh.ndim == 2:
+            if id(mesh) not in flattened:
+                flattened[id(mesh)] = (mesh, init_device_mesh(mesh.device_type,
+                                                              (mesh.size(),)))
+            kwargs["mesh"] = flattened[id(mesh)][1]
+        return fully_shard(module, *args, **kwargs)
+    return as_asked
