@@ -634,6 +634,12 @@ def test_ranks_are_chosen_among_the_worlds_on_virtual_cards_only(tmp_path: Path)
     card = parse_spec("H100")
     assert cluster_ranks(2, 4, "0-2,7, 5", card).running == (0, 1, 2, 5, 7)
     assert cluster_ranks(1, 2, "1,0", card).chosen is None  # every rank: the whole world
+    # a large world on virtual cards: its representatives, unless all are asked for
+    assert cluster_ranks(8, 8, None, card).running == (0, 1, 8, 32, 62, 63)
+    assert "--ranks all runs every one" in cluster_ranks(8, 8, None, card).why
+    assert cluster_ranks(1, 64, "all", card).chosen is None
+    assert cluster_ranks(1, 16, None, card).chosen is None  # 16: every rank
+    assert cluster_ranks(1, 64, None, None).chosen is None  # on GPUs every rank runs
     for chosen, error in (("4", "--ranks 4: '4' is not within ranks 0-3"),
                           ("a", "'a' is not a rank or a range"),
                           ("3-1", "'3-1' is not within ranks 0-3")):

@@ -109,7 +109,9 @@ def run(
         " data between virtual cards, so a rank's memory needs no other rank: run the ones"
         " that differ (the first and the last shard, a pipeline stage, rank 0's extra"
         " work); what an object collective would get from a rank not run is this rank's"
-        " own. Default: every rank.", show_default=False)] = None,
+        " own. Default: every rank, but a world over 16 on virtual cards runs its"
+        " representatives (0, 1, the second node's first, the middle, the last two); all:"
+        " every rank.", show_default=False)] = None,
     cluster_rank: Annotated[bool, flag(
         "--cluster-rank", hidden=True, help="A rank --nproc-per-node started: silent (the"
         " launcher prints the summary).")] = False,

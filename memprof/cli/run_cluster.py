@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from memprof.collect.launch.ranks import Ranks, parse_ranks, run_ranks
+from memprof.collect.launch.ranks import Ranks, parse_ranks, representatives, run_ranks
 from memprof.collect.virtual.cards import Card, card_args
 from memprof.errors import MemprofError
 from memprof.report.cluster import cluster_summary, read_cluster, render_cluster
@@ -26,17 +26,26 @@ CLUSTER_FILE = "cluster.json"  # the whole run's summary, beside the ranks' repo
 
 
 def cluster_ranks(nodes: int, per_node: int, chosen: str | None, card: Card | None) -> Ranks:
-    """The layout ``--nnodes``, ``--nproc-per-node`` and ``--ranks`` ask for."""
-    if chosen is None:
+    """The layout ``--nnodes``, ``--nproc-per-node`` and ``--ranks`` ask for: by default
+    every rank, or a large world's representatives on virtual cards."""
+    world = nodes * per_node
+    if chosen is None and card is not None and world > REPRESENTED_ABOVE:
+        return Ranks(nodes, per_node, representatives(nodes, per_node),
+                     f"a world over {REPRESENTED_ABOVE} runs representatives; --ranks all"
+                     " runs every one")
+    if chosen is None or chosen.strip() == "all":
         return Ranks(nodes, per_node)
     if card is None:
         raise MemprofError("--ranks runs some ranks on virtual cards only: on GPUs every rank"
                            " of the world must run for their collectives to meet")
     try:
-        running = parse_ranks(chosen, nodes * per_node)
+        running = parse_ranks(chosen, world)
     except ValueError as exc:
         raise MemprofError(f"--ranks {plain(chosen)}: {exc}") from None
-    return Ranks(nodes, per_node, running if len(running) < nodes * per_node else None)
+    return Ranks(nodes, per_node, running if len(running) < world else None)
+
+
+REPRESENTED_ABOVE = 16  # ranks: a larger world on virtual cards runs representatives
 
 
 def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None,
@@ -55,7 +64,7 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
     where = f"a virtual {card.name}" if card else "a GPU"
     ranks_word = f"{world} rank{'s' * (world > 1)}"
     if ranks.chosen is not None:
-        ranks_word = f"ranks {ranges(ranks.chosen)} of {world} (--ranks)"
+        ranks_word = f"ranks {ranges(ranks.chosen)} of {world} ({ranks.why})"
     # ranks on virtual cards wait for no other's tensors: as many at once as memory holds
     at_once = _at_once() if card is not None else None
     paced = f", {at_once} at a time" if at_once and at_once < len(running) else ""
@@ -74,7 +83,7 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
             unclaim(rank_folder(folder, rank, world), FILE_NAMES)
         cluster = read_cluster(folder, world, started, "a rank failed before they started")
     else:
-        cluster = read_cluster(folder, world, ranks.chosen)
+        cluster = read_cluster(folder, world, ranks.chosen, ranks.why)
     write_json(cluster_summary(cluster, ranks.nodes, ranks.per_node), folder / CLUSTER_FILE)
     notes.print(plain(f"memprof run {shlex.join(command)}: {ranks_word} on"
                       f" {cluster.card or 'the GPUs'}"))

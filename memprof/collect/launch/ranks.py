@@ -44,6 +44,7 @@ class Ranks:
     nodes: int
     per_node: int
     chosen: tuple[int, ...] | None = None
+    why: str = "--ranks"  # who chose them, as the summary says it
 
     @property
     def world_size(self) -> int:
@@ -75,6 +76,15 @@ class RankExit:
     code: int
     stopped: bool  # stopped by memprof after another rank failed, or by Ctrl-C
     started: bool = True  # False: another rank failed first (exit code 0)
+
+
+def representatives(nodes: int, per_node: int) -> tuple[int, ...]:
+    """The ranks of a large world run by default on virtual cards: the first (rank 0's
+    extra work) and the second (a rank without it), the first of the second node (a
+    node's own work), the middle (a pipeline's stage boundary) and the last two (where
+    sharding leaves its remainder)."""
+    world = nodes * per_node
+    return tuple(sorted({0, 1, per_node % world, world // 2, world - 2, world - 1}))
 
 
 def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
