@@ -347,6 +347,24 @@ def test_suggests_offload_keeps_fsdps_shards_on_the_host(group: VirtualGpu) -> N
 
 
 @pytest.mark.parametrize("group", [(1, 4)], indirect=True)
+def test_a_fully_sharded_block_keeps_the_scripts_class_name(group: VirtualGpu) -> None:
+    """fully_shard gives a module a class of its own, FSDP<Name>: the repeated blocks,
+    their checkpointing and their snippets name the script's class."""
+    import torch.distributed.fsdp as fsdp
+
+    from memprof.collect.hooks.parallelism import model_class
+
+    class Block(torch.nn.Sequential):
+        pass
+
+    blocks = torch.nn.Sequential(*(Block(torch.nn.Linear(8, 8)) for _ in range(2))).cuda()
+    for each in blocks:
+        fsdp.fully_shard(each)
+    assert type(blocks[0]).__name__ == "FSDPBlock" and model_class(blocks[0]) is Block
+    assert model_class(blocks) is torch.nn.Sequential  # not sharded: its own class
+
+
+@pytest.mark.parametrize("group", [(1, 4)], indirect=True)
 def test_hsdp_is_seen_and_suggest_can_shard_it_over_every_rank(group: VirtualGpu) -> None:
     """HSDP (fully_shard on a (replicas, shards) mesh) holds each weight's rows over the
     shards alone; ``{"flat_mesh": true}`` (suggest's FSDP over every GPU) shards them over
