@@ -264,6 +264,18 @@ def test_fsdp1_holds_each_units_flat_parameter_divided_as_its_strategy_shards_it
 
     assert parallelism(model.modules()) == {"strategies": [f"fsdp1:{strategy.lower()}"],
                                             "meshes": []}
+    # FSDP1's units are its wrappers, not the model's blocks: none repeats here (the Linears
+    # are leaves)
+    from memprof.collect.hooks.model_facts import model_facts
+
+    assert model_facts(model.modules(), [], None, {})["repeated_blocks"] == []
+    # its unsharded flat parameter, whose views the module holds while gathered, is a
+    # communication buffer (a parameter's category gives way too), as FSDP2's gathered ones
+    from memprof.analysis.categories import communication_call
+    from memprof.trace.model import PARAMETERS
+
+    assert PARAMETERS in communication_call("/site-packages/torch/distributed/utils.py",
+                                            "_alloc_storage")
 
 
 @pytest.mark.parametrize("group", [(1, 4)], indirect=True)

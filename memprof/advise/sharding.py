@@ -58,7 +58,7 @@ def _distributed(peak: Peak, ctx: Context) -> list[Remedy]:
             "communication: parameters gathered again in backward", SEED,
             f"between forward and backward {GATHERED_UNITS} units' parameters gathered, not"
             " every unit's",
-            lambda p: _regathered(p, min(_model_bytes(ctx), GATHERED_UNITS * _unit_bytes(ctx))),
+            lambda p: _regathered(p, min(1.0, GATHERED_UNITS / (ctx.block or {}).get("count", 1))),
             "FullyShardedDataParallel(model, ...,"
             " sharding_strategy=ShardingStrategy.FULL_SHARD)",
             {"shard": "FULL_SHARD", "units": _units(ctx)}))
@@ -241,11 +241,11 @@ def _sharded(p: Peak, world: int, gathered: int, gradients: int) -> Peak:
                                                                           gradients)
 
 
-def _regathered(p: Peak, gathered: int) -> Peak:
-    """``p`` holding no more than ``gathered`` bytes of gathered parameters at the activation
-    moment."""
-    return replace(p, at_peak={**p.at_peak, COMMUNICATION: min(p.at_peak[COMMUNICATION],
-                                                               gathered)})
+def _regathered(p: Peak, share: float) -> Peak:
+    """``p`` holding ``share`` of the gathered parameters it holds at the activation moment
+    (every unit's, under SHARD_GRAD_OP)."""
+    return replace(p, at_peak={**p.at_peak,
+                               COMMUNICATION: int(p.at_peak[COMMUNICATION] * share)})
 
 
 def _zero_formulas(ctx: Context) -> list[Remedy]:

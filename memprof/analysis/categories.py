@@ -29,16 +29,16 @@ _COMMUNICATION_FILES = ("/torch/distributed/fsdp/", "/torch/distributed/_composa
                         "/torch/distributed/tensor/_redistribute.py",
                         "/torch/distributed/tensor/_collective_utils.py",
                         "/torch/nn/parallel/distributed.py")
-# FSDP1's unsharded flat parameter, and the flat copy DDP broadcasts the module state in
-_COMMUNICATION_CALLS = {("/torch/distributed/utils.py", "_alloc_storage"),
-                        ("/torch/distributed/utils.py", "_sync_params_and_buffers")}
+# the flat copy DDP broadcasts the module state in
+_COMMUNICATION_CALLS = {("/torch/distributed/utils.py", "_sync_params_and_buffers")}
 # where FSDP2 gathers: its all-gather and copy-out (``_fsdp_collectives.py``; its
 # reduce-scatter's output is the sharded gradient, a gradient still), and the unsharded
-# parameters' storage (``_fsdp_param.py``), registered on the module while gathered
+# parameters' storage (``_fsdp_param.py``), registered on the module while gathered; and
+# FSDP1's unsharded flat parameter (``_alloc_storage``), whose views the module holds
 _GATHERING_FILES = ("/fsdp/_fully_shard/_fsdp_collectives.py",)
 _GATHERING_CALLS = {("/fsdp/_fully_shard/_fsdp_param.py", name) for name in (
     "alloc_storage", "init_all_gather_outputs", "init_unsharded_param",
-    "alloc_all_gather_outputs")}
+    "alloc_all_gather_outputs")} | {("/torch/distributed/utils.py", "_alloc_storage")}
 # decorators between a function and the op it calls (torch._disable_dynamo, no_grad),
 # TypedStorage's methods over the untyped storage's (FSDP1 resizes through them), and
 # a comprehension's frame of its own (before Python 3.12), which its function's stands for

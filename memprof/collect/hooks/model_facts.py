@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from memprof.collect.hooks.parallelism import model_class
+from memprof.collect.hooks.parallelism import is_wrapper, model_class
 from memprof.collect.tensors import tensors_in
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -66,11 +66,11 @@ def _optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def _repeated_blocks(modules: list[torch.nn.Module],
                      measured: dict[tuple[str, str], dict[str, Any]]) -> list[dict[str, Any]]:
     """Module classes with parameters that occur more than once (transformer blocks, ...),
-    the largest first (by all their instances' parameters); containers and leaf layers are
-    left out."""
+    the largest first (by all their instances' parameters); containers, torch.distributed's
+    wrappers and leaf layers are left out."""
     by_class: dict[type, list[torch.nn.Module]] = {}
     for m in modules:
-        if isinstance(m, _CONTAINERS) or not any(True for _ in m.children()):
+        if isinstance(m, _CONTAINERS) or is_wrapper(m) or not any(True for _ in m.children()):
             continue
         by_class.setdefault(model_class(m), []).append(m)
     blocks = []

@@ -60,6 +60,12 @@ def model_class(module: torch.nn.Module) -> type:
 FSDP_PACKAGE = "torch.distributed.fsdp"
 
 
+def is_wrapper(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is torch.distributed's wrapper of the script's module (FSDP1's
+    units, DDP, the checkpoint wrapper), not a block of the model."""
+    return model_class(module).__module__.startswith("torch.distributed.")
+
+
 def _strategy(module: torch.nn.Module) -> str | None:
     """What ``module`` is, by its class's name (no distributed module imported)."""
     names = {cls.__name__ for cls in type(module).__mro__}
