@@ -790,7 +790,9 @@ def test_fsdp_instead_of_ddp_holds_a_shard_of_the_padded_flat_parameter(
         own = min(-(-flat // 2), flat - rank * -(-flat // 2))
         assert held["parameters"] == F32 * -(-flat // 2)
         assert held["optimizer_state"] == 2 * F32 * own
-        assert device["category_peaks"]["communication"] >= F32 * 2 * -(-flat // 2)
+        # at the peak, in backward, the flat parameter gathered whole (padded): a
+        # communication buffer, though the module holds views of it and saved them
+        assert held["communication"] == F32 * 2 * -(-flat // 2)
         assert report(out / f"rank-{rank}")["run"]["model"]["parallelism"]["strategies"] == [
             "fsdp1:full_shard"]
 
