@@ -3,9 +3,9 @@
 A single-process run cannot be re-run sharded (its script does not shard), so ``--gpus N``
 gives the ZeRO paper's formulas. A rank of a distributed run changes its own strategy, and
 ``--verify`` measures each by re-running the world on virtual cards with the change applied
-(``collect/launch/apply.py``): DDP's gradients as views of its buckets, FSDP instead of DDP
-over the same GPUs, FULL_SHARD instead of SHARD_GRAD_OP, and (``--gpus N``) the same run
-over N GPUs.
+(``collect/launch/apply_distributed.py``): DDP's gradients as views of its buckets, FSDP
+instead of DDP over the same GPUs, FULL_SHARD instead of SHARD_GRAD_OP, FSDP's CPU
+offload, FSDP over every GPU instead of HSDP, and (``--gpus N``) the same run over N GPUs.
 """
 
 from __future__ import annotations
@@ -48,59 +48,70 @@ def sharding_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
 
 def _distributed(peak: Peak, ctx: Context) -> list[Remedy]:
     strategies = set((ctx.model.get("parallelism") or {}).get("strategies") or ())
-    world = ctx.world_size
-    found = []
-    if strategies == {"ddp"}:
-        found += _ddp(peak, ctx)
-    if strategies == {"fsdp1:shard_grad_op"}:
-        found.append(Remedy(
-            "full_shard", "FSDP FULL_SHARD instead of SHARD_GRAD_OP", "sharding", 6,
-            "communication: parameters gathered again in backward", SEED,
-            f"between forward and backward {GATHERED_UNITS} units' parameters gathered, not"
-            " every unit's",
-            lambda p: _regathered(p, min(1.0, GATHERED_UNITS / (ctx.block or {}).get("count", 1))),
-            "FullyShardedDataParallel(model, ...,"
-            " sharding_strategy=ShardingStrategy.FULL_SHARD)",
-            {"shard": "FULL_SHARD", "units": _units(ctx)}))
-    if any(s == "fsdp2" or s.startswith("fsdp1:") for s in strategies):
-        found.append(Remedy(
-            "fsdp_offload", "FSDP CPU offload of the shards", "offload", 9,
-            "time: each unit's shard crosses PCIe before its all-gather and its gradient"
-            " after its reduce-scatter; the optimizer steps on the CPU; host RAM for the"
-            " shards and the optimizer state", SEED,
-            "the rank's parameter, gradient and optimizer-state shards and the optimizer"
-            " step's temporaries stay on the host; the gathered units stay on the card",
-            _on_host, _offload_snippet(ctx, strategies),
-            # FSDP1's CPUOffload moves its flat parameter in place: not on a virtual card
-            {"offload": True} if "fsdp2" in strategies else {}))
-    hybrid = _hsdp_mesh(ctx)
-    if hybrid is not None:
-        replicas, shards = hybrid
-        found.append(Remedy(
-            "fsdp_flat_mesh", f"FSDP over all {world} GPUs instead of HSDP ({replicas}"
-            f" replicas of {shards})", "sharding", 6,
-            "communication: all-gathers and reduce-scatters span every GPU (across nodes),"
-            " not one replica group", SEED,
-            f"parameters, gradients and optimizer state split {world} ways instead of"
-            f" {shards}",
-            lambda p: p.scaled(dict.fromkeys((PARAMETERS, GRADIENTS, OPTIMIZER_STATE),
-                                             shards / world)),
-            "# the mesh fully_shard gets: one dimension of every rank, not (replicas, shards)\n"
-            f'mesh = init_device_mesh("cuda", ({world},))\n'
-            "fully_shard(module, mesh=mesh)",
-            {"flat_mesh": True}))
-    sharded = set().union(*(SHARDED.get(s, ()) for s in strategies)) if strategies else set()
-    if ctx.gpus > world and sharded:
-        n = ctx.gpus
-        found.append(Remedy(
-            f"world_{n}", f"the same run over {n} GPUs", "gpus", 7,
-            f"infrastructure: {n} GPUs instead of {world}", SEED,
-            f"{', '.join(sorted(c.replace('_', ' ') for c in sharded))} split {n} ways instead"
-            f" of {world}; the batch per GPU as now",
-            lambda p: p.scaled(dict.fromkeys(sharded, world / n)),
-            f"torchrun --nproc-per-node {n} ...  # or more nodes: {n} ranks in all",
-            {"world": n}))
-    return found
+    return ((_ddp(peak, ctx) if strategies == {"ddp"} else [])
+            + (_full_shard(ctx) if strategies == {"fsdp1:shard_grad_op"} else [])
+            + _offload(ctx, strategies) + _flat_mesh(ctx) + _more_gpus(ctx, strategies))
+
+
+def _full_shard(ctx: Context) -> list[Remedy]:
+    share = min(1.0, GATHERED_UNITS / (ctx.block or {}).get("count", 1))
+    return [Remedy(
+        "full_shard", "FSDP FULL_SHARD instead of SHARD_GRAD_OP", "sharding", 6,
+        "communication: parameters gathered again in backward", SEED,
+        f"between forward and backward {GATHERED_UNITS} units' parameters gathered, not"
+        " every unit's",
+        lambda p: _regathered(p, share),
+        "FullyShardedDataParallel(model, ..., sharding_strategy=ShardingStrategy.FULL_SHARD)",
+        {"shard": "FULL_SHARD", "units": _units(ctx)})]
+
+
+def _offload(ctx: Context, strategies: set[str]) -> list[Remedy]:
+    if not any(s == "fsdp2" or s.startswith("fsdp1:") for s in strategies):
+        return []
+    return [Remedy(
+        "fsdp_offload", "FSDP CPU offload of the shards", "offload", 9,
+        "time: each unit's shard crosses PCIe before its all-gather and its gradient"
+        " after its reduce-scatter; the optimizer steps on the CPU; host RAM for the"
+        " shards and the optimizer state", SEED,
+        "the rank's parameter, gradient and optimizer-state shards and the optimizer"
+        " step's temporaries stay on the host; the gathered units stay on the card",
+        _on_host, _offload_snippet(ctx, strategies),
+        # FSDP1's CPUOffload moves its flat parameter in place: not on a virtual card
+        {"offload": True} if "fsdp2" in strategies else {})]
+
+
+def _flat_mesh(ctx: Context) -> list[Remedy]:
+    hybrid, world = _hsdp_mesh(ctx), ctx.world_size
+    if hybrid is None:
+        return []
+    replicas, shards = hybrid
+    return [Remedy(
+        "fsdp_flat_mesh", f"FSDP over all {world} GPUs instead of HSDP ({replicas}"
+        f" replicas of {shards})", "sharding", 6,
+        "communication: all-gathers and reduce-scatters span every GPU (across nodes),"
+        " not one replica group", SEED,
+        f"parameters, gradients and optimizer state split {world} ways instead of {shards}",
+        lambda p: p.scaled(dict.fromkeys((PARAMETERS, GRADIENTS, OPTIMIZER_STATE),
+                                         shards / world)),
+        "# the mesh fully_shard gets: one dimension of every rank, not (replicas, shards)\n"
+        f'mesh = init_device_mesh("cuda", ({world},))\n'
+        "fully_shard(module, mesh=mesh)",
+        {"flat_mesh": True})]
+
+
+def _more_gpus(ctx: Context, strategies: set[str]) -> list[Remedy]:
+    sharded = set().union(*(SHARDED.get(s, ()) for s in strategies))
+    n, world = ctx.gpus, ctx.world_size
+    if n <= world or not sharded:
+        return []
+    return [Remedy(
+        f"world_{n}", f"the same run over {n} GPUs", "gpus", 7,
+        f"infrastructure: {n} GPUs instead of {world}", SEED,
+        f"{', '.join(sorted(c.replace('_', ' ') for c in sharded))} split {n} ways instead"
+        f" of {world}; the batch per GPU as now",
+        lambda p: p.scaled(dict.fromkeys(sharded, world / n)),
+        f"torchrun --nproc-per-node {n} ...  # or more nodes: {n} ranks in all",
+        {"world": n})]
 
 
 def _ddp(peak: Peak, ctx: Context) -> list[Remedy]:
@@ -174,8 +185,13 @@ def _fsdp_snippet(ctx: Context, strategy: str, units: list[str]) -> str:
 
 def _on_host(p: Peak) -> Peak:
     """``p`` with FSDP's shards and the optimizer's step on the host."""
-    q = p.scaled({PARAMETERS: 0, GRADIENTS: 0, OPTIMIZER_STATE: 0})
-    return replace(q, at_step={**q.at_step, TEMPORARIES: 0})
+    return _step_temporaries(p.scaled({PARAMETERS: 0, GRADIENTS: 0, OPTIMIZER_STATE: 0}), 0)
+
+
+def _step_temporaries(p: Peak, share: float) -> Peak:
+    """``p`` with ``share`` of the optimizer step's temporaries (they follow the state the
+    step updates)."""
+    return replace(p, at_step={**p.at_step, TEMPORARIES: int(p.at_step[TEMPORARIES] * share)})
 
 
 def _offload_snippet(ctx: Context, strategies: set[str]) -> str:
@@ -235,10 +251,8 @@ def _sharded(p: Peak, world: int, gathered: int, gradients: int) -> Peak:
     ``gathered`` parameters and a unit's ``gradients`` held at the activation moment."""
     factors = {PARAMETERS: 1 / world, GRADIENTS: 1 / world, OPTIMIZER_STATE: 1 / world,
                COMMUNICATION: 0}
-    q = p.scaled(factors)
-    step = {**q.at_step, TEMPORARIES: q.at_step[TEMPORARIES] // world}
-    return replace(q, at_step=step).added(COMMUNICATION, gathered).added(TEMPORARIES,
-                                                                          gradients)
+    q = _step_temporaries(p.scaled(factors), 1 / world)
+    return q.added(COMMUNICATION, gathered).added(TEMPORARIES, gradients)
 
 
 def _regathered(p: Peak, share: float) -> Peak:

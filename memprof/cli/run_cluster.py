@@ -23,6 +23,7 @@ from memprof.report.run_folder import FILE_NAMES, claim, rank_folder, run_folder
 from memprof.report.text import plain
 
 CLUSTER_FILE = "cluster.json"  # the whole run's summary, beside the ranks' reports
+REPRESENTED_ABOVE = 16  # ranks: a larger world on virtual cards runs representatives
 
 
 def cluster_ranks(nodes: int, per_node: int, chosen: str | None, card: Card | None) -> Ranks:
@@ -43,9 +44,6 @@ def cluster_ranks(nodes: int, per_node: int, chosen: str | None, card: Card | No
     except ValueError as exc:
         raise MemprofError(f"--ranks {plain(chosen)}: {exc}") from None
     return Ranks(nodes, per_node, running if len(running) < world else None)
-
-
-REPRESENTED_ABOVE = 16  # ranks: a larger world on virtual cards runs representatives
 
 
 def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None,

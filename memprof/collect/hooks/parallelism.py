@@ -37,6 +37,9 @@ def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
     return {"strategies": sorted(strategies), "meshes": list(meshes.values())}
 
 
+FSDP_PACKAGE = "torch.distributed.fsdp"
+
+
 def merged(seen: dict[str, Any] | None, now: dict[str, Any] | None) -> dict[str, Any] | None:
     """Two ``parallelism`` facts of one run as one: every strategy and mesh either saw."""
     if seen is None or now is None:
@@ -55,9 +58,6 @@ def model_class(module: torch.nn.Module) -> type:
         return next((base for base in cls.__mro__[1:]
                      if not base.__module__.startswith(FSDP_PACKAGE)), cls)
     return cls
-
-
-FSDP_PACKAGE = "torch.distributed.fsdp"
 
 
 def is_wrapper(module: torch.nn.Module) -> bool:

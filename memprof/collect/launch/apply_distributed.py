@@ -49,14 +49,14 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
     import torch.nn.parallel.distributed as distributed
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-    forced: dict[str, Any] = {}  # FullyShardedDataParallel's arguments, as the remedy has them
     patches: list[tuple[Any, str, Any]] = []
     ddp = distributed.DistributedDataParallel
     if sharded:
-        forced["sharding_strategy"] = ShardingStrategy[str(strategy)]
         instead = _fsdp_instead(str(strategy), frozenset(units))
         patches += [(parallel, "DistributedDataParallel", instead),
-                    (distributed, "DistributedDataParallel", instead)]
+                    (distributed, "DistributedDataParallel", instead),
+                    (FullyShardedDataParallel, "__init__", _with_strategy(
+                        FullyShardedDataParallel.__init__, ShardingStrategy[str(strategy)]))]
     elif views:
         viewed = _bucket_views(ddp)
         patches += [(parallel, "DistributedDataParallel", viewed),
@@ -67,9 +67,6 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
                 owner = importlib.import_module(name)
                 patches.append((owner, "fully_shard",
                                 _fully_shard_as(owner.fully_shard, offload, flat)))
-    if forced:
-        patches.append((FullyShardedDataParallel, "__init__",
-                        _with_arguments(FullyShardedDataParallel.__init__, forced)))
     kept = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
@@ -103,20 +100,16 @@ def _fsdp_instead(strategy: str, units: frozenset[str]) -> type:
     return DistributedDataParallel
 
 
-# FullyShardedDataParallel.__init__'s parameters after the module, in order (positional use)
-_FSDP1_POSITIONAL = ("process_group", "sharding_strategy")
-
-
-def _with_arguments(init: Callable[..., None], forced: dict[str, Any]) -> Callable[..., None]:
-    def with_arguments(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        given = list(args)
-        for i, name in enumerate(_FSDP1_POSITIONAL[:len(given)]):
-            if name in forced:
-                given[i] = forced[name]
-        kwargs.update({k: v for k, v in forced.items()
-                       if k not in _FSDP1_POSITIONAL[:len(given)]})
-        init(self, module, *given, **kwargs)
-    return with_arguments
+def _with_strategy(init: Callable[..., None], strategy: Any) -> Callable[..., None]:
+    """FullyShardedDataParallel's ``__init__`` with its sharding ``strategy`` forced, given
+    by keyword or by position (after the module and the process group)."""
+    def with_strategy(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        if len(args) >= 2:
+            args = (args[0], strategy, *args[2:])
+        else:
+            kwargs["sharding_strategy"] = strategy
+        init(self, module, *args, **kwargs)
+    return with_strategy
 
 
 def _fully_shard_as(fully_shard: Callable[..., Any], offload: bool, flat: bool
