@@ -547,3 +547,15 @@ def test_re_runs_that_do_not_reproduce_the_run_are_said_so():
     assert unreproduced(124 * mib, Failed("no"), "as recorded") is None
     why = unreproduced(124 * mib, peak(220 * mib), "as recorded")
     assert why is not None and "measured 220.00 MiB where the run recorded 124.00 MiB" in why
+
+
+def test_a_folder_of_run_folders_is_not_taken_for_one(tmp_path: Path):
+    """``memprof suggest reports`` (the folder memprof run writes run folders in) says what
+    it is, in one line, rather than "not found"."""
+    (tmp_path / "reports" / "train-1").mkdir(parents=True)
+    for command in (["suggest", "reports", "--budget", "1GB"],
+                    ["check", "reports", "--baseline", "reports"]):
+        result = memprof_here(tmp_path, *command)
+        assert result.code == 2, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert "reports: a folder without a report.json, not a run folder" in line, line

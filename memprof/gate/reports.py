@@ -49,6 +49,9 @@ def load_report(source: Path, role: str) -> Report:
     """Read and check the report at ``source``; ``role`` ("current", "baseline") names it in
     errors, which are :class:`MemprofError` (one line, exit 2)."""
     path = report_path(source)
+    if not path.exists() and source.is_dir():  # reports/, say: a folder of run folders
+        raise MemprofError(f"{role} {source}: a folder without a report.json, not a run"
+                           " folder; give one of the run folders memprof run wrote in it")
     if not path.exists():
         raise MemprofError(f"{role} {source}: not found; give a run folder or a report.json")
     if not path.is_file():
