@@ -349,13 +349,42 @@ def test_suggests_offload_keeps_fsdps_shards_on_the_host(group: VirtualGpu) -> N
         fsdp.fully_shard(two)
         assert torch.cuda.memory_allocated() == 0  # every shard is the host's
     assert all(p.to_local().device.type == "cpu" for p in two.parameters())
-    # FSDP1's offload moves its flat parameter to the host in place, views of it alive: the
-    # virtual GPU says in one line it cannot (suggest offers it as an estimate only)
-    from memprof.collect.virtual.unsupported import VirtualGpuUnsupported
+    # FSDP1 is given its CPUOffload, by keyword or by position
+    with distributed_applied({"offload": True}):
+        one = fsdp.FullyShardedDataParallel(model_on_card(), None, device_id=0)
+    assert one.cpu_offload.offload_params
+    assert torch.cuda.memory_allocated() == 0
 
-    with pytest.raises(VirtualGpuUnsupported, match="FSDP2's CPUOffloadPolicy runs"):
-        fsdp.FullyShardedDataParallel(model_on_card(), device_id=0,
-                                      cpu_offload=fsdp.CPUOffload(offload_params=True))
+
+@pytest.mark.parametrize("group", [(1, 4)], indirect=True)
+def test_fsdp1_offloaded_to_the_host_gathers_each_unit_on_the_card_and_steps_on_the_host(
+        group: VirtualGpu) -> None:
+    """FSDP1's CPUOffload moves its flat parameter between the host and the card in place,
+    while the module holds views of it, as each unit is gathered and resharded."""
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = FullyShardedDataParallel(model_on_card(), device_id=0,
+                                     cpu_offload=CPUOffload(offload_params=True),
+                                     auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+    units = [numel(w, w[0]) + b[0] for w, b in zip(shapes()[::2], shapes()[1::2], strict=True)]
+    shards = [-(-n // 4) for n in units]
+    assert torch.cuda.memory_allocated() == 0  # every shard is the host's
+    assert [(p.numel(), p.device.type) for p in model.parameters()] == [
+        (n, "cpu") for n in shards]
+    torch.cuda.reset_peak_memory_stats()
+    x = torch.ones(4, 64, device="cuda")
+    # a unit computes on its flat parameter gathered whole, padded to the world size, on
+    # the card: the largest one is there at the peak
+    model(x).sum().backward()
+    assert torch.cuda.max_memory_allocated() >= block(x.nbytes) + max(
+        block(4 * n * F32) for n in shards)
+    assert [(p.grad.numel(), p.grad.device.type) for p in model.parameters()] == [
+        (n, "cpu") for n in shards]
+    before = torch.cuda.memory_allocated()
+    torch.optim.AdamW(model.parameters()).step()  # on the host: its moments too
+    assert torch.cuda.memory_allocated() == before
+    assert all(p.device.type == "cpu" for p in model.parameters())
 
 
 @pytest.mark.parametrize("group", [(1, 4)], indirect=True)
@@ -750,7 +779,7 @@ def test_a_rank_is_re_run_over_another_world_and_its_worst_rank_measured(
     from memprof.advise.rerun import Rank, Rerun
     from memprof.advise.source import load_run
     from memprof.advise.verify import measure_remedies
-    from memprof.trace.model import OPTIMIZER_STATE, PARAMETERS
+    from memprof.trace.model import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
 
     _, out = runs["fsdp_cluster"].result()
     run = load_run(out)
@@ -758,10 +787,16 @@ def test_a_rank_is_re_run_over_another_world_and_its_worst_rank_measured(
     offered = {r.key: r for r in catalogue(advice.start, advice.context)}
     six, offload = offered["world_6"], offered["fsdp_offload"]
     assert six.verify == {"world": 6} and offload.verify == {"offload": True}
-    on_host = offload.change(advice.start)
-    assert on_host.at_step[PARAMETERS] == on_host.at_step[OPTIMIZER_STATE] == 0
-    assert "offload_policy=CPUOffloadPolicy()" in offload.snippet
     now = advice.start
+    on_host = offload.change(now)
+    assert on_host.at_step[PARAMETERS] == on_host.at_step[OPTIMIZER_STATE] == 0
+    assert on_host.at_step[GRADIENTS] == 0
+    # in backward, the unit being reduce-scattered (no block repeats: the whole model, one
+    # unit) still holds its gradient on the card
+    assert advice.context.block is None
+    model = sum(numel(s, s[0]) * F32 for s in shapes())
+    assert on_host.at_peak[GRADIENTS] == min(now.at_peak[GRADIENTS], model) > 0
+    assert "offload_policy=CPUOffloadPolicy()" in offload.snippet
     assert six.change(now).at_step[OPTIMIZER_STATE] == now.at_step[OPTIMIZER_STATE] // 2
     # as many ranks a node as the run had (they divide 6): two nodes
     assert Rank(1, 1, 3).options(["--virtual-gpu", "H100"], 6) == [

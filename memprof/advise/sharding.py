@@ -74,10 +74,10 @@ def _offload(ctx: Context, strategies: set[str]) -> list[Remedy]:
         " after its reduce-scatter; the optimizer steps on the CPU; host RAM for the"
         " shards and the optimizer state", SEED,
         "the rank's parameter, gradient and optimizer-state shards and the optimizer"
-        " step's temporaries stay on the host; the gathered units stay on the card",
-        _on_host, _offload_snippet(ctx, strategies),
-        # FSDP1's CPUOffload moves its flat parameter in place: not on a virtual card
-        {"offload": True} if "fsdp2" in strategies else {})]
+        " step's temporaries stay on the host; the gathered units, and in backward a"
+        " unit's gradient, stay on the card",
+        lambda p: _on_host(p, _unit_bytes(ctx)), _offload_snippet(ctx, strategies),
+        {"offload": True})]
 
 
 def _flat_mesh(ctx: Context) -> list[Remedy]:
@@ -183,9 +183,11 @@ def _fsdp_snippet(ctx: Context, strategy: str, units: list[str]) -> str:
             "    device_id=torch.cuda.current_device())  # instead of DistributedDataParallel")
 
 
-def _on_host(p: Peak) -> Peak:
-    """``p`` with FSDP's shards and the optimizer's step on the host."""
-    return _step_temporaries(p.scaled({PARAMETERS: 0, GRADIENTS: 0, OPTIMIZER_STATE: 0}), 0)
+def _on_host(p: Peak, unit: int) -> Peak:
+    """``p`` with FSDP's shards and the optimizer's step on the host; in backward the card
+    still holds the gradient of the ``unit`` being reduce-scattered, before it leaves."""
+    q = _step_temporaries(p.scaled({PARAMETERS: 0, GRADIENTS: 0, OPTIMIZER_STATE: 0}), 0)
+    return q.added(GRADIENTS, min(p.at_peak[GRADIENTS], unit))
 
 
 def _step_temporaries(p: Peak, share: float) -> Peak:

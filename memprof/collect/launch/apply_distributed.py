@@ -8,8 +8,9 @@ suggest --verify`` (``MEMPROF_APPLY``, read by ``apply.py``):
   auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)`` instead (a wrapper
   with DDP's ``module`` and ``no_sync``), and every ``FullyShardedDataParallel`` the script
   makes itself gets that sharding strategy;
-- ``{"offload": true}``: FSDP2 keeps the shards on the host, ``fully_shard(...,
-  offload_policy=CPUOffloadPolicy())`` (FSDP1's CPUOffload the virtual GPU cannot run);
+- ``{"offload": true}``: FSDP keeps the shards on the host, ``fully_shard(...,
+  offload_policy=CPUOffloadPolicy())`` and ``FullyShardedDataParallel(...,
+  cpu_offload=CPUOffload(offload_params=True))``;
 - ``{"flat_mesh": true}``: FSDP2 shards over every rank of an HSDP mesh it is given
   (``fully_shard(..., mesh=<2-D (replicas, shards)>)``): one dimension of them all.
 
@@ -54,10 +55,12 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
     if sharded:
         instead = _fsdp_instead(str(strategy), frozenset(units))
         patches += [(parallel, "DistributedDataParallel", instead),
-                    (distributed, "DistributedDataParallel", instead),
-                    (FullyShardedDataParallel, "__init__", _with_strategy(
-                        FullyShardedDataParallel.__init__, ShardingStrategy[str(strategy)]))]
-    elif views:
+                    (distributed, "DistributedDataParallel", instead)]
+    if sharded or offload:
+        patches.append((FullyShardedDataParallel, "__init__", _forced(
+            FullyShardedDataParallel.__init__,
+            ShardingStrategy[str(strategy)] if sharded else None, offload)))
+    if views and not sharded:
         viewed = _bucket_views(ddp)
         patches += [(parallel, "DistributedDataParallel", viewed),
                     (distributed, "DistributedDataParallel", viewed)]
@@ -100,16 +103,26 @@ def _fsdp_instead(strategy: str, units: frozenset[str]) -> type:
     return DistributedDataParallel
 
 
-def _with_strategy(init: Callable[..., None], strategy: Any) -> Callable[..., None]:
-    """FullyShardedDataParallel's ``__init__`` with its sharding ``strategy`` forced, given
-    by keyword or by position (after the module and the process group)."""
-    def with_strategy(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        if len(args) >= 2:
-            args = (args[0], strategy, *args[2:])
-        else:
-            kwargs["sharding_strategy"] = strategy
-        init(self, module, *args, **kwargs)
-    return with_strategy
+def _forced(init: Callable[..., None], strategy: Any, offload: bool
+            ) -> Callable[..., None]:
+    """FullyShardedDataParallel's ``__init__`` with its sharding ``strategy`` (unless None)
+    and CPU offload of the parameters (if ``offload``) forced, given by keyword or by
+    position (after the module and the process group)."""
+    def forced(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        from torch.distributed.fsdp import CPUOffload
+
+        given = list(args)
+        for index, name, value in ((1, "sharding_strategy", strategy),
+                                   (2, "cpu_offload", CPUOffload(offload_params=True)
+                                    if offload else None)):
+            if value is None:
+                continue
+            if len(given) > index:
+                given[index] = value
+            else:
+                kwargs[name] = value
+        init(self, module, *given, **kwargs)
+    return forced
 
 
 def _fully_shard_as(fully_shard: Callable[..., Any], offload: bool, flat: bool

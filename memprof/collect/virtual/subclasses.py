@@ -104,6 +104,10 @@ def set_data(target: torch.Tensor, value: torch.Tensor) -> None:
     """``target.data = value``; a host tensor given a virtual one (or a virtual one given
     the other kind) becomes its class's twin in place, on ``value``'s storage."""
     kind = kind_of(value)
+    if kind is not None and kind_of(target) not in (None, kind):
+        # virtual on both sides: the same C++ tensor, so the class alone moves it (between
+        # the card and the host), views of it alive or not (FSDP1's offloaded flat parameter)
+        target.__class__ = twin(type(target), kind)
     if kind is None or kind_of(target) is kind:
         SET_DATA(target, value)
         if kind is not None:  # the wrapper took value's shape and dtype: so does its inside
@@ -117,11 +121,10 @@ def set_data(target: torch.Tensor, value: torch.Tensor) -> None:
         made._is_param = True
     try:
         torch.utils.swap_tensors(target, made)
-    except RuntimeError as exc:  # views of it live (FSDP1's flat parameter, offloaded)
+    except RuntimeError as exc:  # views of a real host tensor live
         raise VirtualGpuUnsupported(
-            "moving a tensor between the card and the host in place while views of it"
-            " live", str(exc).split(" make sure")[0], "FSDP1's CPUOffload is one such:"
-            " FSDP2's CPUOffloadPolicy runs") from None
+            "moving a real host tensor to the card in place while views of it live",
+            str(exc).split(" make sure")[0], "profile this script on a GPU") from None
 
 
 def swapping(swap_tensors: Callable[[torch.Tensor, torch.Tensor], None]

@@ -32,7 +32,6 @@ CUDA = torch.device("cuda", 0)  # the card's device: set_card_index changes it
 _CPU = torch.device("cpu")
 _META = torch.device("meta")
 _LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
-_TO_COPY = torch.ops.aten._to_copy.default
 # ``t.set_(source)`` (FSDP1's flat parameter, swapped between its shard and the full one)
 _SETS = {torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.source_Storage,
          torch.ops.aten.set_.source_Storage_storage_offset}
@@ -209,8 +208,10 @@ class VirtualTensor(torch.Tensor):
         if func in COLLECTIVES:  # written in place, nothing exchanged (collectives.py)
             return collective(func, args, lambda meta: adopt(VirtualTensor(meta)))
         hosted = values.twins(args, kwargs, VirtualTensor)  # None: an input has no values
-        to_host = func is _TO_COPY and _is_host(kwargs.get("device"))
-        if to_host:  # a copy to the host: a host tensor, still without storage
+        # a copy to the host (or a host tensor made like one: zeros_like(t, device="cpu")),
+        # still without storage
+        to_host = _is_host(kwargs.get("device"))
+        if to_host:
             kwargs = {**kwargs, "device": _META}
         real = None
         try:
