@@ -356,22 +356,57 @@ def test_suggests_offload_keeps_fsdps_shards_on_the_host(group: VirtualGpu) -> N
     assert torch.cuda.memory_allocated() == 0
 
 
-@pytest.mark.parametrize("group", [(1, 4)], indirect=True)
-def test_fsdp1_offloaded_to_the_host_gathers_each_unit_on_the_card_and_steps_on_the_host(
+@pytest.mark.parametrize("group", [(1, 2)], indirect=True)
+@pytest.mark.filterwarnings("error:The .grad attribute")  # memprof reads no non-leaf's
+def test_fsdp_made_for_ddp_is_what_a_library_asked_for_and_moves_to_the_host(
         group: VirtualGpu) -> None:
+    """suggest's FSDP instead of DDP, as Lightning's DDP strategy uses it: the model is an
+    instance of the DistributedDataParallel it made, answers DDP's ``static_graph``, and
+    ``module.cpu()`` at teardown moves each flat parameter to the host in place, keeping
+    FSDP's attributes on it, as a card does."""
+    import torch.nn.parallel as parallel
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from memprof.collect.launch.apply_distributed import distributed_applied
+
+    with distributed_applied({"shard": "FULL_SHARD", "units": []}):
+        ddp = parallel.DistributedDataParallel
+        model = ddp(model_on_card(), device_ids=[0])
+    assert isinstance(model, ddp) and isinstance(model, FullyShardedDataParallel)
+    assert model.static_graph is False
+    model(torch.ones(4, 64, device="cuda")).sum().backward()
+    flat = sum(numel(s, s[0]) for s in shapes())
+    before = torch.cuda.memory_allocated()
+    model.cpu()
+    # the gradient leaves the card; the shard stays, as on a card: FSDP's _local_shard
+    # still holds it (cuBLAS's workspaces stay too)
+    assert before - torch.cuda.memory_allocated() == block(F32 * -(-flat // 2))
+    assert model._flat_param._local_shard.is_cuda
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert model._flat_param._unpadded_unsharded_size == (flat,)
+
+
+@pytest.mark.parametrize("group", [(1, 4)], indirect=True)
+@pytest.mark.parametrize("orig", [False, True])
+def test_fsdp1_offloaded_to_the_host_gathers_each_unit_on_the_card_and_steps_on_the_host(
+        group: VirtualGpu, orig: bool) -> None:
     """FSDP1's CPUOffload moves its flat parameter between the host and the card in place,
-    while the module holds views of it, as each unit is gathered and resharded."""
+    while the module holds views of it, as each unit is gathered and resharded (with the
+    original parameters, those outside the rank's shard are given a real empty host
+    tensor)."""
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     model = FullyShardedDataParallel(model_on_card(), device_id=0,
                                      cpu_offload=CPUOffload(offload_params=True),
-                                     auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+                                     auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+                                     use_orig_params=orig)
+    flats = [m._flat_param for m in FullyShardedDataParallel.fsdp_modules(model)
+             if m._flat_param is not None]
     units = [numel(w, w[0]) + b[0] for w, b in zip(shapes()[::2], shapes()[1::2], strict=True)]
     shards = [-(-n // 4) for n in units]
     assert torch.cuda.memory_allocated() == 0  # every shard is the host's
-    assert [(p.numel(), p.device.type) for p in model.parameters()] == [
-        (n, "cpu") for n in shards]
+    assert [(p.numel(), p.device.type) for p in flats] == [(n, "cpu") for n in shards]
     torch.cuda.reset_peak_memory_stats()
     x = torch.ones(4, 64, device="cuda")
     # a unit computes on its flat parameter gathered whole, padded to the world size, on
@@ -379,12 +414,12 @@ def test_fsdp1_offloaded_to_the_host_gathers_each_unit_on_the_card_and_steps_on_
     model(x).sum().backward()
     assert torch.cuda.max_memory_allocated() >= block(x.nbytes) + max(
         block(4 * n * F32) for n in shards)
-    assert [(p.grad.numel(), p.grad.device.type) for p in model.parameters()] == [
+    assert [(p.grad.numel(), p.grad.device.type) for p in flats] == [
         (n, "cpu") for n in shards]
     before = torch.cuda.memory_allocated()
     torch.optim.AdamW(model.parameters()).step()  # on the host: its moments too
     assert torch.cuda.memory_allocated() == before
-    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(p.device.type == "cpu" for p in [*flats, *model.parameters()])
 
 
 @pytest.mark.parametrize("group", [(1, 4)], indirect=True)

@@ -153,7 +153,8 @@ class RoleHooks:
 
     def _mark_param(self, p: torch.Tensor) -> None:
         self._mark(p, PARAMETERS)
-        if p.grad is not None:
+        # a module's non-leaf "parameter" (FSDP's views in forward) has no gradient to read
+        if (p.is_leaf or p.retains_grad) and p.grad is not None:
             self._mark(p.grad, GRADIENTS)
 
     def _mark_buffers(self, module: torch.nn.Module) -> None:

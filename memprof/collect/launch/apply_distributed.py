@@ -88,18 +88,26 @@ def _bucket_views(ddp: type) -> type:
 
 
 def _fsdp_instead(strategy: str, units: frozenset[str]) -> type:
-    class DistributedDataParallel:  # a class, for isinstance checks: no model is one
-        def __new__(cls, module: torch.nn.Module, *args: Any, **kwargs: Any
-                    ) -> torch.nn.Module:  # type: ignore[misc]
-            from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+    class DistributedDataParallel(FullyShardedDataParallel):  # type: ignore[misc]
+        """FSDP made with DDP's arguments (the module alone is kept): an instance of the
+        class the script (or its library: Lightning asserts it) asked for, answering what
+        libraries read of a DDP model."""
+
+        static_graph = False
+
+        def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
             classes = {type(m) for m in module.modules() if model_class(m).__name__ in units}
             device = next((p.device for p in module.parameters()), None)
-            return FullyShardedDataParallel(
+            super().__init__(
                 module, sharding_strategy=ShardingStrategy[strategy], use_orig_params=True,
                 auto_wrap_policy=ModuleWrapPolicy(classes) if classes else None,
                 device_id=device if device is not None and device.type == "cuda" else None)
+
+        def _get_ddp_logging_data(self) -> dict[str, Any]:
+            return {}
     return DistributedDataParallel
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from memprof.collect.virtual import values
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor
 from memprof.collect.virtual.unsupported import VirtualGpuUnsupported
 
@@ -102,7 +103,12 @@ def _on(cls: type[VirtualTensor], data: torch.Tensor, requires_grad: bool) -> Vi
 
 def set_data(target: torch.Tensor, value: torch.Tensor) -> None:
     """``target.data = value``; a host tensor given a virtual one (or a virtual one given
-    the other kind) becomes its class's twin in place, on ``value``'s storage."""
+    the other kind) becomes its class's twin in place, on ``value``'s storage; a virtual
+    one given a real host tensor becomes a host one of its shape (and values, if small)."""
+    if kind_of(value) is None and kind_of(target) is not None and value.device.type == "cpu":
+        with torch._C.DisableTorchFunction():
+            value = HostVirtualTensor(value.detach().to("meta"), value=value.detach()
+                                      if values.small(value) else None)
     kind = kind_of(value)
     if kind is not None and kind_of(target) not in (None, kind):
         # virtual on both sides: the same C++ tensor, so the class alone moves it (between
@@ -134,9 +140,14 @@ def swapping(swap_tensors: Callable[[torch.Tensor, torch.Tensor], None]
     ``weakref.finalize``): the swap keeps the object, so the reference still reaches it
     and what it now holds, as ``set_data`` keeps a card's parameter on ``.to("cuda")``.
     PyTorch refuses any weakly referenced tensor; ``Module._apply`` swaps a parameter
-    for a virtual one."""
+    for a virtual one. Between two virtual tensors (``Module._apply`` swaps them, as
+    wrapper subclasses, where a card sets ``.data``) it is ``t1.data = t2``, as on a card:
+    ``t1`` keeps its attributes (FSDP1's flat parameter moved by ``module.cpu()``) and
+    any view of it."""
     @functools.wraps(swap_tensors)
     def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if kind_of(t1) is not None and kind_of(t2) is not None:
+            return set_data(t1, t2)
         if (kind_of(t1) is None and kind_of(t2) is not None and weakref.getweakrefs(t1)
                 and not weakref.getweakrefs(t2)):
             seen = torch.utils.weakref
