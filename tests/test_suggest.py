@@ -115,6 +115,43 @@ def test_a_budget_already_met_says_so(runs: Path):
     assert "Already within the budget" in result.stdout
 
 
+CACHE_GROWS = Path(__file__).parent / "scripts" / "cache_grows.py"
+MIB = 2**20
+
+
+@jobs
+def cache_grows(where: Path) -> Path:
+    for name, args in (("pinned", ()), ("releasable", ("--releasable",))):
+        assert memprof_run(where, "-o", name, CACHE_GROWS, *args).code == 0
+    return where
+
+
+def test_a_cache_that_grows_past_the_budget_after_the_peak_is_replayed_under_it(
+        processes: dict[str, Future[Any]]):
+    """Both runs peak at two 60 MiB tensors (120 MiB allocated and reserved), then reserve
+    a third segment: within 130 MiB at the peak, but not all along. Replayed with 130 MiB
+    as the card's, the pinned run's 50 MiB request finds no segment free whole to give
+    back (out of memory, exit 1); the releasable run's 100 MiB request gets both back."""
+    where = jobs.result("cache_grows")
+    pinned = suggest(where, "pinned", "--budget", "130MiB")
+    assert pinned.code == 1, pinned.stderr
+    assert "Peak now: 120.00 MiB reserved" in pinned.stdout
+    assert "Over the budget: the run reserved up to 170.00 MiB after its allocation peak" \
+        in pinned.stdout and "out of memory asking for 50.00 MiB" in pinned.stdout
+    assert advice_json(where, "pinned", "--budget", "130MiB")["fits_now"] is False
+    freed = suggest(where, "releasable", "--budget", "130MiB")
+    assert freed.code == 0, freed.stderr
+    assert "Within the budget: the run reserved up to 220.00 MiB" in freed.stdout
+    assert advice_json(where, "releasable", "--budget", "130MiB")["fits_now"] is True
+    # above all it reserved: within, as before
+    assert "Already within the budget" in suggest(where, "pinned", "--budget", "170MiB").stdout
+    # --verify's re-run as recorded measures the peak as the run's is read (reserved at the
+    # allocation peak, not the most it reserved later): it reproduces the run
+    verified = suggest(where, "pinned", "--budget", "100MiB", "--verify")
+    assert "measuring the run as recorded" in verified.stderr
+    assert "do not reproduce" not in verified.stderr, verified.stderr
+
+
 def test_optimizer_state_remedies_are_exact_on_the_mlp(runs: Path):
     run = load_run(runs / "mlp")
     numels = run.model["trainable_numels"]

@@ -9,6 +9,7 @@ from memprof.advise.peak import Peak, peak_of
 from memprof.advise.plan import Plan, Ranked, plan, rank
 from memprof.advise.remedies import Context, catalogue
 from memprof.advise.source import Run
+from memprof.analysis.findings import WhatIf
 from memprof.trace.model import ACTIVATIONS, AUTOCAST_HALF, TEMPORARIES
 
 
@@ -24,6 +25,25 @@ class Advice:
     context: Context
     excluded: tuple[str, ...] = ()  # remedies --verify measured saving nothing: not planned
 
+    # the run's trace replayed with the budget as the device's memory, where the run
+    # reserved more than the budget only after its allocation peak (its cache grew)
+    under_budget: WhatIf | None = None
+
+    @property
+    def reserved_most(self) -> int:
+        """The most the run reserved, at its allocation peak or later (a cache that grew)."""
+        return max(self.start.reserved, int(self.run.device["peak"]["reserved_bytes"]))
+
+    @property
+    def fits_now(self) -> bool:
+        """Whether the run as it is fits the budget: it never reserved more, or replayed
+        under the budget no request fails (an out-of-memory run's peak, a lower bound,
+        never fits: what it needs is unknown)."""
+        if self.run.lower_bound or self.start.reserved > self.budget.bytes:
+            return False
+        return self.reserved_most <= self.budget.bytes or (
+            self.under_budget is not None and self.under_budget.oom_event_index is None)
+
 
 def advise(run: Run, budget: Budget, gpus: int = 1) -> Advice:
     """Rank the remedies that apply to ``run`` and plan a fit under ``budget``."""
@@ -32,8 +52,9 @@ def advise(run: Run, budget: Budget, gpus: int = 1) -> Advice:
                   _expandable_ratio(run, start), run.device.get("leak"), _block_shares(run),
                   _autocast_share(run))
     remedies = catalogue(start, ctx)
+    later = start.reserved <= budget.bytes < int(run.device["peak"]["reserved_bytes"])
     return Advice(run, budget, start, rank(start, remedies), plan(start, remedies, budget.bytes),
-                  ctx)
+                  ctx, under_budget=_replayed(run, budget.bytes) if later else None)
 
 
 def _block_shares(run: Run) -> dict[str, float] | None:
@@ -53,6 +74,20 @@ def _autocast_share(run: Run) -> float | None:
     if not run.model.get("ops_traced") or not half or not peak:
         return None
     return min(1.0, half["at_activations_peak_bytes"] / peak)
+
+
+def _replayed(run: Run, limit: int) -> WhatIf | None:
+    """The run's trace replayed with ``limit`` bytes for PyTorch (None without a trace)."""
+    if run.snapshot is None:
+        return None
+    from memprof.analysis.explain import explain
+    from memprof.trace.load import load_snapshot
+
+    findings = explain(load_snapshot(run.snapshot), str(run.snapshot), top=1,
+                       device_memory=limit)
+    device = next((d for d in findings.devices if d.device == run.device["device"]), None)
+    what_ifs = device.replay.what_if if device is not None and device.replay else []
+    return what_ifs[0] if what_ifs else None
 
 
 def _expandable_ratio(run: Run, start: Peak) -> float | None:

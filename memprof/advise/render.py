@@ -39,6 +39,8 @@ def render(advice: Advice, console: Console, measured: Measured | None = None,
     if gap <= 0 and advice.run.lower_bound:
         console.print(Text("Within the budget up to where it ran out of memory; what it needs"
                            " after is unknown.", "bold red"))
+    elif gap <= 0 and advice.reserved_most > budget.bytes:
+        console.print(_cache_grew(advice))
     elif gap <= 0:
         console.print(Text(f"Already within the budget, with {fb(-gap)} to spare.", "green"))
     else:
@@ -111,6 +113,24 @@ def _measured_note(advice: Advice, measured: Measured) -> Text:
     for key, failure in failed.items():
         text += f". {titles.get(key, key)} failed: {failure.reason}"
     return Text(text + ".", "dim")
+
+
+def _cache_grew(advice: Advice) -> Text:
+    """The verdict on a run within the budget at its allocation peak whose cache grew past
+    the budget later: what its replay under the budget says."""
+    grew = (f"the run reserved up to {fb(advice.reserved_most)} after its allocation peak"
+            " (its cache grew)")
+    replayed = advice.under_budget
+    if replayed is None:
+        return Text(f"Within the budget at the allocation peak, but {grew}; without a trace"
+                    " to replay, whether the allocator frees enough of it is unknown.", "bold")
+    if replayed.oom_event_index is None:
+        return Text(f"Within the budget: {grew}, but replayed with the budget as the card's"
+                    " memory, the allocator frees cached blocks and no request fails.", "green")
+    asked = fb(replayed.oom_requested_bytes or 0)
+    return Text(f"Over the budget: {grew}, and replayed with the budget as the card's memory"
+                f" it runs out of memory asking for {asked} (event"
+                f" {replayed.oom_event_index:,}).", "bold red")
 
 
 def plan_fits(advice: Advice, measured: Measured) -> bool:
@@ -186,7 +206,7 @@ def as_json(advice: Advice, measured: Measured | None = None,
         "suggest": {
             "budget": {"bytes": advice.budget.bytes, "read_as": advice.budget.read_as},
             "current": peak(start),
-            "fits_now": start.reserved <= advice.budget.bytes and not advice.run.lower_bound,
+            "fits_now": advice.fits_now,
             "remedies": [{
                 "key": r.remedy.key, "title": r.remedy.title, "saved_bytes": r.saved,
                 "peak": peak(r.peak), "cost": r.remedy.cost_text, "seed": r.remedy.seed,

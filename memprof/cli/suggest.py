@@ -121,13 +121,12 @@ def suggest(
 
             advice, measured = measure(advice, rerun, batch_arg,
                                        lambda what: notes.print(f"memprof: measuring {what} ..."))
-            why = unreproduced(run.device["peak"]["reserved_bytes"], measured.get(BASELINE),
+            why = unreproduced(advice.start.reserved, measured.get(BASELINE),
                                "as recorded")
             if why is not None:
                 notes.print(f"memprof: {why}: the measured peaks may not be this run's")
         if fit_batch:
-            batch = _fit(rerun, fit_batch, chosen.bytes, notes,
-                         run.device["peak"]["reserved_bytes"])
+            batch = _fit(rerun, fit_batch, chosen.bytes, notes, advice.start.reserved)
     elif gpus > int(run.facts.get("world_size") or 1) > 1:
         measured = _other_world(advice, run, gpus, rerun_command, notes)
     if html is not None:
@@ -144,8 +143,8 @@ def suggest(
     from memprof.advise.render import plan_fits
 
     # a peak that is a lower bound (an out-of-memory run not re-run) never fits: unknown
-    fits = not advice.run.lower_bound and (advice.start.reserved <= chosen.bytes
-                                           or plan_fits(advice, measured or {}))
+    fits = advice.fits_now or (not advice.run.lower_bound and bool(advice.plan.steps)
+                               and plan_fits(advice, measured or {}))
     raise typer.Exit(0 if fits else 1)
 
 
@@ -191,7 +190,7 @@ def _other_world(advice: Advice, run: Run, gpus: int, rerun_command: str | None,
         notes.print(f"memprof: --gpus {gpus} is estimated only: {exc.message}")
         return None
     notes.print("memprof: measuring the run as recorded ...")
-    why = unreproduced(run.device["peak"]["reserved_bytes"], attempt(rerun, [], None),
+    why = unreproduced(advice.start.reserved, attempt(rerun, [], None),
                        "as recorded")
     if why is not None:
         notes.print(f"memprof: --gpus {gpus} is estimated only: {why}")
