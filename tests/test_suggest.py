@@ -25,7 +25,7 @@ from memprof.advise.rerun import Rerun, with_arg
 from memprof.advise.source import load_run
 from memprof.collect.virtual.cards import parse_spec
 from memprof.errors import MemprofError
-from memprof.trace.model import GRADIENTS, OPTIMIZER_STATE, PARAMETERS
+from memprof.trace.model import ACTIVATIONS, GRADIENTS, OPTIMIZER_STATE, PARAMETERS
 
 MLP = {"hidden": 1024, "layers": 3, "batch": 64, "steps": 3}
 LM = {"layers": 4, "d-model": 256, "heads": 4, "seq": 256, "batch": 8, "vocab": 2048,
@@ -237,6 +237,15 @@ def test_snippets_compile_and_name_the_runs_blocks(runs: Path):
         assert after.at_step[OPTIMIZER_STATE] == int(start.at_step[OPTIMIZER_STATE]
                                                      * state_factor)
         assert after.at_step[GRADIENTS] == start.at_step[GRADIENTS] // 2
+    # under FSDP's bf16 mixed precision the forward computes in bf16 already: pure bf16
+    # halves the model state only, and autocast is not offered
+    fsdp_bf16 = {**run.model, "parallelism": {"strategies": ["fsdp2"], "meshes": [],
+                                              "param_dtype": "bfloat16"}}
+    offered = {r.key: r for r in catalogue(start, Context(fsdp_bf16, world_size=2))}
+    assert "autocast" not in offered
+    after = offered["pure_bf16"].change(start)
+    assert after.at_peak[ACTIVATIONS] == start.at_peak[ACTIVATIONS]
+    assert after.at_peak[PARAMETERS] == start.at_peak[PARAMETERS] // 2
     block = run.model["repeated_blocks"][0]
     assert (block["class"], block["module"], block["count"]) == ("Block", "__main__",
                                                                  LM["layers"])

@@ -297,6 +297,9 @@ def test_fsdp2_gathers_a_unit_in_the_mixed_precision_dtype_and_reshards_it(
     assert torch.cuda.max_memory_allocated() - sharded == gathered + block((16 * 100 + 16) * 4 * 2)
     layer.reshard()
     assert torch.cuda.memory_allocated() == sharded
+    from memprof.collect.hooks.parallelism import parallelism
+
+    assert parallelism([layer])["param_dtype"] == "bfloat16"  # the dtype it computes in
 
 
 @pytest.mark.parametrize("group", [(1, 4)], indirect=True)

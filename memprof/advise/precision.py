@@ -76,7 +76,9 @@ def precision_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
         return _single(dtypes["float64"] / sum(dtypes.values()))
     if set(dtypes) != {"float32"}:
         return []
-    amp = bool(ctx.model.get("autocast"))
+    # autocast, or FSDP's mixed precision: the forward computes in half precision already
+    amp = bool(ctx.model.get("autocast")) or (ctx.model.get("parallelism") or {}).get(
+        "param_dtype") in ("bfloat16", "float16")
     quantised = ctx.quantised_state  # its moments are 8- or 4-bit: bf16 weights leave them
     pure = Remedy(
         "pure_bf16", "bf16 weights, gradients" + ("" if quantised else " and optimizer state"),

@@ -2,7 +2,7 @@
 hooks saw: the wrappers and strategies (DDP, FSDP1 with its sharding strategy, FSDP2's
 ``fully_shard``, DeepSpeed's engine with its ZeRO stage) and the device meshes its DTensor
 parameters live on (FSDP2, tensor parallel, HSDP: their shape, dimension names and how
-each dimension places the parameters).
+each dimension places the parameters), and the dtype FSDP's mixed precision computes in.
 
     parallelism(modules)  # {"strategies": ["fsdp2"], "meshes": [{"shape": [8], ...}]}
 """
@@ -19,10 +19,12 @@ def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
     """``run.model.parallelism`` (JSON-ready), or None for a model on one GPU."""
     strategies: set[str] = set()
     meshes: dict[tuple[Any, ...], dict[str, Any]] = {}
+    computes: set[str] = set()
     for module in modules:
         strategy = _strategy(module)
         if strategy is not None:
             strategies.add(strategy)
+            computes.update(_param_dtype(module))
         for p in module.parameters(recurse=False):
             mesh = getattr(p, "device_mesh", None)  # a DTensor's
             if mesh is not None:
@@ -34,7 +36,8 @@ def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
                                    "placements": placements})
     if not strategies and not meshes:
         return None
-    return {"strategies": sorted(strategies), "meshes": list(meshes.values())}
+    found = {"strategies": sorted(strategies), "meshes": list(meshes.values())}
+    return {**found, "param_dtype": computes.pop()} if len(computes) == 1 else found
 
 
 FSDP_PACKAGE = "torch.distributed.fsdp"
@@ -46,7 +49,9 @@ def merged(seen: dict[str, Any] | None, now: dict[str, Any] | None) -> dict[str,
         return now or seen
     meshes = list(seen["meshes"])
     meshes += [mesh for mesh in now["meshes"] if mesh not in meshes]
-    return {"strategies": sorted({*seen["strategies"], *now["strategies"]}), "meshes": meshes}
+    both = {"strategies": sorted({*seen["strategies"], *now["strategies"]}), "meshes": meshes}
+    dtype = now.get("param_dtype") or seen.get("param_dtype")
+    return {**both, "param_dtype": dtype} if dtype else both
 
 
 def model_class(module: torch.nn.Module) -> type:
@@ -80,3 +85,15 @@ def _strategy(module: torch.nn.Module) -> str | None:
         stage = getattr(module, "zero_optimization_stage", None)
         return f"deepspeed:zero{stage()}" if callable(stage) else "deepspeed"
     return None
+
+
+def _param_dtype(module: torch.nn.Module) -> list[str]:
+    """The dtype FSDP's mixed precision computes ``module`` in (FSDP1's ``MixedPrecision``,
+    FSDP2's ``MixedPrecisionPolicy``), if it sets one."""
+    policy = getattr(module, "mixed_precision", None)  # FSDP1's
+    state = getattr(module, "_get_fsdp_state", None)  # FSDP2's
+    if policy is None and callable(state):
+        policy = getattr(state(), "_mp_policy", None)
+    dtype = getattr(policy, "param_dtype", None)
+    return [str(dtype).removeprefix("torch.")] if isinstance(dtype, torch.dtype) else []
+
