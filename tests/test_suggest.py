@@ -316,6 +316,31 @@ def test_the_hugging_face_trainer_is_seen_stepping_the_optimizer(tmp_path: Path)
     assert recorder.snapshot()["memprof"]["model"]["trainer"] == "transformers"
 
 
+def test_the_runs_own_gradient_accumulation_is_kept_in_the_micro_batch_snippets(runs: Path):
+    from memprof.collect.cpu.recorder import CpuRecorder
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters())
+    with CpuRecorder() as recorder:
+        for _ in range(2):  # two steps of three backward passes each
+            for _ in range(3):
+                model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+    facts = recorder.snapshot()["memprof"]["model"]
+    assert facts["accumulation"] == 3
+    run = load_run(runs / "lm")
+    start = advise(run, parse_budget("1MiB")).start
+    for loop, switch in ((None, "% 12 == 0"), ("lightning", "accumulate_grad_batches=12"),
+                         ("transformers", "gradient_accumulation_steps=12")):
+        model_facts = {**run.model, "trainer": loop, "accumulation": facts["accumulation"]}
+        quarter = next(r for r in catalogue(start, Context(model_facts))
+                       if r.key == "micro_batch_4")
+        # a quarter of the micro-batch now, four times the accumulation it has: the same
+        # effective batch
+        assert quarter.title == "micro-batch 1/4 with 12 accumulation steps"
+        assert switch in quarter.snippet
+
+
 @jobs
 def verify(where: Path) -> dict[str, Any]:
     return advice_json(_runs(), "lm", "--budget", "190MB", "--verify", "--batch-arg", "batch")
@@ -327,6 +352,8 @@ def test_verify_measures_within_10_percent_of_the_estimates(processes: dict[str,
     current = advice["current"]["reserved_bytes"]
     assert base == current  # the re-run as recorded reproduces the run
     by_key = {r["key"]: r for r in advice["remedies"]}
+    # a batch of 8 makes micro-batches down to 1/8: 1/16 would be half a sample
+    assert by_key["micro_batch_8"]["verified"] and "micro_batch_16" not in by_key
     for key in ("checkpoint_blocks", "micro_batch_2", "micro_batch_4"):
         estimated = current - by_key[key]["peak"]["reserved_bytes"]
         measured = base - by_key[key]["measured"]["reserved_bytes"]

@@ -46,16 +46,17 @@ def catalogue(peak: Peak, ctx: Context) -> list[Remedy]:
 
 
 def _micro_batches(ctx: Context) -> list[Remedy]:
-    def snippet(k: int) -> str:
+    """Micro-batches 1/k of the batch now, and k times the run's accumulation steps."""
+    def snippet(k: int, steps: int) -> str:
         if ctx.trainer:
             return ("# the Trainer accumulates gradients itself; batch: the batch size now\n"
                     f"TrainingArguments(..., per_device_train_batch_size=batch // {k},\n"
-                    f"                  gradient_accumulation_steps={k})")
+                    f"                  gradient_accumulation_steps={steps})")
         if ctx.loop == "lightning":
             return (f"# the DataLoader's batch_size: 1/{k} of the batch now\n"
-                    f"trainer = L.Trainer(..., accumulate_grad_batches={k})")
+                    f"trainer = L.Trainer(..., accumulate_grad_batches={steps})")
         if ctx.loop == "accelerate":
-            return (f"accelerator = Accelerator(gradient_accumulation_steps={k})  # batches"
+            return (f"accelerator = Accelerator(gradient_accumulation_steps={steps})  # batches"
                     f" 1/{k} as large\n"
                     "for batch in loader:\n"
                     "    with accelerator.accumulate(model):\n"
@@ -63,19 +64,21 @@ def _micro_batches(ctx: Context) -> list[Remedy]:
                     "        optimizer.step()\n"
                     "        optimizer.zero_grad(set_to_none=True)")
         return (f"for i, batch in enumerate(loader):  # batches 1/{k} as large\n"
-                f"    loss = compute_loss(model, batch) / {k}\n"
+                f"    loss = compute_loss(model, batch) / {steps}\n"
                 "    loss.backward()\n"
-                f"    if (i + 1) % {k} == 0:\n"
+                f"    if (i + 1) % {steps} == 0:\n"
                 "        optimizer.step()\n"
                 "        optimizer.zero_grad(set_to_none=True)")
 
+    now = ctx.accumulation
     return [Remedy(
-        f"micro_batch_{k}", f"micro-batch 1/{k} with {k} accumulation steps", "batch",
-        3 + k // 2, f"time: {k} forward/backward passes per optimizer step; same effective"
-        " batch", SEEDS["003"],
-        f"activations and temporaries scale with the batch: 1/{k} of them remain",
+        f"micro_batch_{k}", f"micro-batch 1/{k} with {k * now} accumulation steps", "batch",
+        3 + k // 2, f"time: {k} times the forward/backward passes per optimizer step; same"
+        " effective batch", SEEDS["003"],
+        f"activations and temporaries scale with the batch: 1/{k} of them remain"
+        + (f"; the run accumulates {now} already" if now > 1 else ""),
         lambda p, k=k: p.scaled({ACTIVATIONS: 1 / k, TEMPORARIES: 1 / k}, step_too=False),
-        snippet(k), {"micro_batch": k}) for k in MICRO_BATCHES]
+        snippet(k, k * now), {"micro_batch": k}) for k in MICRO_BATCHES]
 
 
 def _optimizer_state(peak: Peak, ctx: Context) -> list[Remedy]:

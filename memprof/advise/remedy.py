@@ -56,6 +56,12 @@ class Context:
         return "8bit" in name or "4bit" in name
 
     @property
+    def accumulation(self) -> int:
+        """The backward passes the run already accumulates per optimizer step (1: none)."""
+        steps = self.model.get("accumulation")
+        return steps if isinstance(steps, int) and steps > 1 else 1
+
+    @property
     def block(self) -> dict[str, Any] | None:
         blocks = self.model.get("repeated_blocks") or []
         return blocks[0] if blocks else None

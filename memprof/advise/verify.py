@@ -44,8 +44,8 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
     verifiable remedy of the ranking, and with the whole plan when memprof can apply all
     its steps (``plan``). Returns the advice, its plan made again without the remedies
     that measured no saving (``Advice.excluded``), and the measurements."""
-    if batch_arg is not None:
-        rerun.value_of(batch_arg)  # a flag neither set nor defaulted: one error, before any run
+    if batch_arg is not None:  # a flag neither set nor defaulted: one error, before any run
+        advice = _within_batch(advice, rerun.value_of(batch_arg))
     measured: Measured = {}
     progress("the run as recorded")
     measured[BASELINE] = rerun.peak()
@@ -64,6 +64,16 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
         progress("the whole plan")
         measured[PLAN] = attempt(rerun, [s.remedy.verify for s in steps], batch_arg)
     return advice, measured
+
+
+def _within_batch(advice: Advice, batch: int) -> Advice:
+    """``advice`` without the micro-batches smaller than one sample of a batch of
+    ``batch``, its plan made again if it used one."""
+    fewer = [r for r in advice.ranked if r.remedy.verify.get("micro_batch", 0) <= batch]
+    if len(fewer) == len(advice.ranked):
+        return advice
+    return replace(advice, ranked=fewer, plan=plan(
+        advice.start, [r.remedy for r in fewer], advice.budget.bytes))
 
 
 def measure_remedies(remedies: list[Remedy], rerun: Rerun, progress: Callable[[str], None]
@@ -123,7 +133,7 @@ def _run(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None) -> Pe
             conf = ",".join(filter(None, (rerun.alloc_conf, spec["alloc_conf"])))
         if "micro_batch" in spec and batch_arg is not None:
             batch = rerun.value_of(batch_arg)
-            args = with_arg(rerun.args, batch_arg, max(1, batch // spec["micro_batch"]))
+            args = with_arg(rerun.args, batch_arg, batch // spec["micro_batch"])
     if "autocast" in apply and rerun.on_cpu:
         apply["autocast_device"] = "cpu"  # the recording's CPU tensors stand in for CUDA's
     return rerun.peak(args, apply, conf, world)

@@ -78,6 +78,11 @@ class RoleHooks:
         # no reference to the parameters, weak ones included: Module._apply (model.half())
         # swaps a tensor subclass's parameters in place, which a weak reference forbids
         self._grad_hooks: list[RemovableHandle] = []
+        # gradient accumulation: the backward passes that reached one parameter (the first
+        # whose gradient arrived, by id) before each optimizer step
+        self._counted: int | None = None
+        self._backwards = 0
+        self._accumulation: int | None = None
         self._grad_hook = self._on_grad  # one bound method: found by identity in a param's hooks
         self._handles: list[RemovableHandle] = []
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -212,12 +217,16 @@ class RoleHooks:
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None:
             self._mark(p.grad, GRADIENTS)
+        if self._counted is None:
+            self._counted = id(p)
+        self._backwards += self._counted == id(p)
 
     def _model_facts(self) -> dict[str, Any]:
         self._parallelism = merged(self._parallelism, parallelism(self._modules))
         return {**model_facts(self._modules, self._optimizers, self._autocast,
                               self._blocks.facts()),
-                "trainer": self._trainer, "parallelism": self._parallelism}
+                "trainer": self._trainer, "parallelism": self._parallelism,
+                "accumulation": self._accumulation}
 
     def _on_step_pre(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         if self._trainer is None and not self._optimizers:  # the first step says
@@ -237,6 +246,9 @@ class RoleHooks:
             return
         self._end_step()
         self._blocks.stop(backward=False)
+        if self._backwards:
+            self._accumulation = max(self._accumulation or 1, self._backwards)
+        self._backwards = 0
         self._steps_seen += 1
         if self._steps_seen <= 2:  # the state exists after a step; the objects may not at exit
             self.model = self._model_facts()
