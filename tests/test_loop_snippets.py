@@ -29,6 +29,9 @@ def _called_through(*files: str) -> str | None:
     (("/u/train.py",), None),
     (("/env/site-packages/lightning/pytorch/loops/fit_loop.py",), "lightning"),
     (("/env/site-packages/pytorch_lightning/loops/optimization/automatic.py",), "lightning"),
+    # Lightning Fabric: the script's loop steps Fabric's wrapped optimizer
+    (("/u/train.py", "/env/site-packages/lightning/fabric/wrappers.py"), "fabric"),
+    (("/u/train.py", "/env/site-packages/lightning_fabric/wrappers.py"), "fabric"),
     (("/u/train.py", "/env/site-packages/accelerate/optimizer.py"), "accelerate"),
     # Hugging Face's Trainer steps through accelerate's optimizer: the Trainer is the loop
     (("/env/site-packages/transformers/trainer.py", "/env/site-packages/accelerate/optimizer.py"),
@@ -50,6 +53,9 @@ def _remedies(loop: str | None) -> dict[str, str]:
 @pytest.mark.parametrize(("loop", "accumulate", "autocast", "pure"), [
     ("lightning", "accumulate_grad_batches=4", 'precision="bf16-mixed"',
      'precision="bf16-true"'),
+    ("fabric", "fabric.no_backward_sync(model, enabled=accumulating)",
+     'fabric = L.Fabric(..., precision="bf16-mixed")',
+     'fabric = L.Fabric(..., precision="bf16-true")'),
     ("accelerate", "Accelerator(gradient_accumulation_steps=4)",
      'Accelerator(mixed_precision="bf16")', "model.to(torch.bfloat16)"),
     ("transformers", "gradient_accumulation_steps=4", "bf16=True", "model.to(torch.bfloat16)"),
@@ -116,6 +122,7 @@ def test_a_frozen_pretrained_transformers_model_is_offered_qlora() -> None:
 @pytest.mark.parametrize(("loop", "switch"), [
     ("transformers", "TrainingArguments(..., deepspeed="),
     ("lightning", 'strategy="deepspeed_stage_2_offload"'),
+    ("fabric", 'fabric = L.Fabric(..., strategy="deepspeed_stage_2_offload")'),
     ("accelerate", 'DeepSpeedPlugin(\n    zero_stage=2, offload_optimizer_device="cpu")'),
     (None, "deepspeed.initialize("),
 ])
@@ -127,3 +134,14 @@ def test_optimizer_offload_is_configured_in_the_loops_library(loop: str | None,
                                          Context(facts))}
     assert switch in found["offload_optimizer"].snippet
     compile(found["offload_optimizer"].snippet, "<snippet>", "exec")
+
+
+def test_an_fsdp_run_offloads_with_fsdps_switch_not_deepspeeds() -> None:
+    moment = {**dict.fromkeys(CATEGORIES, 0), PARAMETERS: 4 << 20, OPTIMIZER_STATE: 8 << 20,
+              ACTIVATIONS: 1 << 20}
+    facts = {"trainer": "lightning", "dtypes": {"float32": 1 << 20}, "autocast": None,
+             "parallelism": {"strategies": ["fsdp1:full_shard"], "meshes": []}}
+    found = {r.key: r for r in catalogue(Peak(moment, moment, 0.0), Context(facts, world_size=2))}
+    assert "offload_optimizer" not in found
+    assert "FSDPStrategy(..., cpu_offload=True)" in found["fsdp_offload"].snippet
+

@@ -92,7 +92,7 @@ def precision_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
         lambda p: p.scaled({PARAMETERS: 0.5, BUFFERS: 0.5, GRADIENTS: 0.5,
                             OPTIMIZER_STATE: 1.0 if quantised else 0.5,
                             **({} if amp else {ACTIVATIONS: 0.5, TEMPORARIES: 0.5})}),
-        'trainer = L.Trainer(..., precision="bf16-true")' if ctx.loop == "lightning" else
+        f'{ctx.lightning[0]}..., precision="bf16-true")' if ctx.lightning else
         "model = model.to(torch.bfloat16)  # before the optimizer is built")
     if amp or not busy:
         return [pure]
@@ -108,7 +108,7 @@ def precision_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
         autocast,
         "TrainingArguments(..., bf16=True)  # the Trainer's forward under bf16 autocast"
         if ctx.trainer else
-        'trainer = L.Trainer(..., precision="bf16-mixed")' if ctx.loop == "lightning" else
+        f'{ctx.lightning[0]}..., precision="bf16-mixed")' if ctx.lightning else
         'accelerator = Accelerator(mixed_precision="bf16")  # prepare() wraps the forward'
         if ctx.loop == "accelerate" else
         'with torch.autocast("cuda", dtype=torch.bfloat16):\n'

@@ -55,6 +55,14 @@ def _micro_batches(ctx: Context) -> list[Remedy]:
         if ctx.loop == "lightning":
             return (f"# the DataLoader's batch_size: 1/{k} of the batch now\n"
                     f"trainer = L.Trainer(..., accumulate_grad_batches={steps})")
+        if ctx.loop == "fabric":
+            return (f"for i, batch in enumerate(loader):  # batches 1/{k} as large\n"
+                    f"    accumulating = (i + 1) % {steps} != 0\n"
+                    "    with fabric.no_backward_sync(model, enabled=accumulating):\n"
+                    f"        fabric.backward(compute_loss(model, batch) / {steps})\n"
+                    "    if not accumulating:\n"
+                    "        optimizer.step()\n"
+                    "        optimizer.zero_grad(set_to_none=True)")
         if ctx.loop == "accelerate":
             return (f"accelerator = Accelerator(gradient_accumulation_steps={steps})  # batches"
                     f" 1/{k} as large\n"
@@ -118,6 +126,9 @@ def _optimizer_state(peak: Peak, ctx: Context) -> list[Remedy]:
             lambda p: p.scaled({OPTIMIZER_STATE: 0.01}),
             _optim(ctx, "adafactor", "optimizer = torch.optim.Adafactor(model.parameters(),"
                    " lr=lr)")))
+    strategies = (ctx.model.get("parallelism") or {}).get("strategies") or ()
+    if any(s.startswith("fsdp") for s in strategies):
+        return found  # FSDP offloads with its own switch (sharding.py), not DeepSpeed's
     found.append(Remedy(
         "offload_optimizer", "optimizer state offloaded to CPU memory", "optimizer", 10,
         "time: the step runs on the CPU or streams state over PCIe; host RAM for the state",
@@ -132,8 +143,8 @@ def _offload_snippet(ctx: Context) -> str:
         return ('TrainingArguments(..., deepspeed={"zero_optimization": {\n'
                 '    "stage": 2, "offload_optimizer": {"device": "cpu"}}})'
                 "  # deepspeed installed")
-    if ctx.loop == "lightning":
-        return 'trainer = L.Trainer(..., strategy="deepspeed_stage_2_offload")'
+    if ctx.lightning:
+        return f'{ctx.lightning[0]}..., strategy="deepspeed_stage_2_offload")'
     if ctx.loop == "accelerate":
         return ("from accelerate import Accelerator, DeepSpeedPlugin\n\n"
                 "accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(\n"

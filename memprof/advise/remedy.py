@@ -75,9 +75,20 @@ class Context:
     @property
     def loop(self) -> str | None:
         """The library whose loop stepped the optimizer ("transformers", "lightning",
-        "accelerate"), for snippets in its own switches; None: the script's own loop."""
+        "fabric", "accelerate"), for snippets in its own switches; None: the script's own loop."""
         loop = self.model.get("trainer")
         return loop if isinstance(loop, str) else None
+
+    @property
+    def lightning(self) -> tuple[str, str] | None:
+        """How the run entered Lightning, for its snippets: the call that takes the switches
+        and the module of its strategies (the ``Trainer``'s or ``Fabric``'s); None for
+        another loop."""
+        if self.loop == "lightning":
+            return "trainer = L.Trainer(", "lightning.pytorch.strategies"
+        if self.loop == "fabric":
+            return "fabric = L.Fabric(", "lightning.fabric.strategies"
+        return None
 
     @property
     def model_library(self) -> str | None:

@@ -152,9 +152,10 @@ def _bucket_view_snippet(ctx: Context) -> str:
         return ("from accelerate import Accelerator, DistributedDataParallelKwargs\n\n"
                 "accelerator = Accelerator(kwargs_handlers=[\n"
                 "    DistributedDataParallelKwargs(gradient_as_bucket_view=True)])")
-    if ctx.loop == "lightning":
-        return ("from lightning.pytorch.strategies import DDPStrategy\n\n"
-                "trainer = L.Trainer(..., strategy=DDPStrategy(gradient_as_bucket_view=True))")
+    if ctx.lightning:
+        call, strategies = ctx.lightning
+        return (f"from {strategies} import DDPStrategy\n\n"
+                f"{call}..., strategy=DDPStrategy(gradient_as_bucket_view=True))")
     return "model = DistributedDataParallel(model, gradient_as_bucket_view=True)"
 
 
@@ -170,11 +171,11 @@ def _fsdp_snippet(ctx: Context, strategy: str, units: list[str]) -> str:
         return ("from accelerate import Accelerator, FullyShardedDataParallelPlugin\n\n"
                 "accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(\n"
                 f'    {wrap}sharding_strategy="{strategy}"))')
-    if ctx.loop == "lightning":
+    if ctx.lightning:
+        call, strategies = ctx.lightning
         policy = f"auto_wrap_policy={{{units[0]}}}, " if units else ""
-        return ("from lightning.pytorch.strategies import FSDPStrategy\n\n"
-                f'trainer = L.Trainer(..., strategy=FSDPStrategy({policy}sharding_strategy='
-                f'"{strategy}"))')
+        return (f"from {strategies} import FSDPStrategy\n\n"
+                f'{call}..., strategy=FSDPStrategy({policy}sharding_strategy="{strategy}"))')
     wrap = f"ModuleWrapPolicy({{{units[0]}}})" if units else "None  # the model one unit"
     return ("from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy\n"
             "from torch.distributed.fsdp.wrap import ModuleWrapPolicy\n\n"
@@ -203,8 +204,8 @@ def _offload_snippet(ctx: Context, strategies: set[str]) -> str:
     if ctx.loop == "accelerate":
         return ("accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(\n"
                 "    ..., cpu_offload=True))")
-    if ctx.loop == "lightning":
-        return "trainer = L.Trainer(..., strategy=FSDPStrategy(..., cpu_offload=True))"
+    if ctx.lightning:
+        return f"{ctx.lightning[0]}..., strategy=FSDPStrategy(..., cpu_offload=True))"
     if "fsdp2" in strategies:
         return ("from torch.distributed.fsdp import CPUOffloadPolicy\n\n"
                 "# in every fully_shard call (the optimizer then steps on the CPU)\n"

@@ -47,6 +47,8 @@ from memprof.trace.model import (
 _LOOPS = ((os.path.join("transformers", "trainer.py"), "transformers"),
           (os.path.join("lightning", "pytorch", "loops"), "lightning"),
           (os.path.join("pytorch_lightning", "loops"), "lightning"),
+          (os.path.join("lightning", "fabric", "wrappers.py"), "fabric"),
+          (os.path.join("lightning_fabric", "wrappers.py"), "fabric"),
           (os.path.join("accelerate", "optimizer.py"), "accelerate"))
 
 
@@ -63,7 +65,7 @@ class RoleHooks:
         self.model: dict[str, Any] = {}  # model_facts(), filled by remove()
         self._autocast: str | None = None  # CUDA autocast dtype seen in a forward
         # the library whose loop steps the optimizer ("transformers", "lightning",
-        # "accelerate"; _LOOPS), or None for the script's own loop
+        # "fabric", "accelerate"; _LOOPS), or None for the script's own loop
         self._trainer: str | None = None
         # how the model was spread, as seen so far: a wrapper (the Trainer's DDP) may be
         # gone by the end of the script, when the facts are taken again
