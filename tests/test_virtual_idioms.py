@@ -161,6 +161,24 @@ def test_attention_inside_torch_modules_takes_the_cards_fused_kernel(
     assert gpu.recorder.fused_attention
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_run_eagerly_materialises_its_scores_as_on_a_card(
+        gpu: VirtualGpu) -> None:
+    """flex_attention outside torch.compile is a higher-order operator PyTorch runs by its
+    eager (math) kernels, on a card too: its [B, H, T, T] fp32 scores are made, and its
+    gradients reach the inputs."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch, heads, seq, width = 2, 4, 256, 64
+    q = torch.randn(batch, heads, seq, width, device="cuda", requires_grad=True)
+    out = flex_attention(q, q, q)
+    assert out.is_cuda and out.shape == q.shape
+    out.sum().backward()
+    assert q.grad is not None and q.grad.is_cuda and q.grad.shape == q.shape
+    scores = batch * heads * seq * seq * 4
+    assert len(_large_blocks(gpu.recorder, scores)) > 0
+
+
 RESIZED = 32 * MiB  # an FSDP2-style unsharded parameter: freed and gathered again
 
 

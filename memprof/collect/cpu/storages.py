@@ -34,10 +34,13 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
+from torch._C import DispatchKey
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode,
     _pop_mode,
+    _push_mode,
 )
 
 from memprof.analysis.categories import communication_call
@@ -201,8 +204,22 @@ class StorageTracker(_PlainMode):
             self.survivors = [ref.event for ref in list(self._live.values())]
             self._live.clear()  # dropping the weak references silences their callbacks
 
+    # a higher-order operator (flex_attention run eagerly) reaches __torch_dispatch__ too
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            # its eager kernel, with this mode on again (pushed, not entered: leaving would
+            # end the recording), so that its operators are recorded
+            eager = func.py_kernels.get(DispatchKey.CompositeExplicitAutograd)
+            if eager is None or self._stopped:
+                return func(*args, **kwargs)
+            _push_mode(self)
+            try:
+                return eager(*args, **kwargs)
+            finally:
+                _pop_mode()
         if self._stopped:
             return func(*args, **kwargs)
         if self._trim_at is not None and len(self.events) > self._trim_at:

@@ -15,19 +15,24 @@ import torch
 
 
 class EagerCompile:
-    """A stand-in for ``torch.compile`` (as a call, a decorator, or a decorator factory)."""
+    """A stand-in for ``torch.compile`` (as a call, a decorator, or a decorator factory)
+    that says once for each thing compiled that it runs eagerly."""
 
     def __init__(self, where: str) -> None:
-        self.notice = (f"memprof: {where}: torch.compile ran the model eagerly; compiled kernels'"
-                       " memory (fusion, the partitioner's saved activations) is not measured")
-        self._said = False
+        self.where = where
+        self._said: set[str] = set()
         self._saved: Any = None
 
     def __call__(self, model: Any = None, **kwargs: Any) -> Any:
-        if not self._said:
-            self._said = True
-            print(self.notice, file=sys.stderr)
-        return (lambda fn: fn) if model is None else model
+        if model is None:
+            return self
+        name = getattr(model, "__qualname__", None) or type(model).__name__
+        if name not in self._said:
+            self._said.add(name)
+            print(f"memprof: {self.where}: torch.compile ran {name} eagerly; compiled kernels'"
+                  " memory (fusion, the partitioner's saved activations, flex attention's"
+                  " fused kernel) is not measured", file=sys.stderr)
+        return model
 
     def install(self) -> None:
         self._saved = torch.compile

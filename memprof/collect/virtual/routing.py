@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.overrides import (
     TorchFunctionMode,
     _get_current_function_mode_stack,
@@ -36,6 +37,7 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 _DROPOUT = {torch.nn.functional.dropout: ("input", "p", "training", "inplace"),
             torch.dropout: ("input", "p", "train")}
 _FACTORIES = _device_constructors()
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 _PARSE_TO = torch._C._nn._parse_to
 _WRAPPER = type(SET_DATA)
 
@@ -61,6 +63,13 @@ class CudaRouting(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if torch._C._get_dispatch_mode(_FAKE) is not None:
+            # PyTorch's own fake tensors (a higher-order operator tracing its function, run
+            # eagerly): the fake mode's to make, on the meta device where they would be on
+            # the card (a CPU build has no CUDA device for autograd to guard)
+            if is_cuda_device(kwargs.get("device")):
+                kwargs = {**kwargs, "device": _META}
+            return func(*args, **kwargs)
         if func is torch.device and len(args) == 1 and type(args[0]) is int and not kwargs:
             return torch.device("cuda", args[0])  # the current accelerator's: a CPU build has none
         if type(func) is _WRAPPER and func == SET_DATA:  # t.data = v (a method-wrapper)
@@ -93,6 +102,12 @@ class CudaRouting(TorchFunctionMode):
                 if isinstance(real, torch.Tensor) and real.shape == made.shape:
                     made.value = real.detach()
             return made
+        if isinstance(func, HigherOrderOperator):
+            # a higher-order operator run eagerly (flex_attention): PyTorch runs it with this
+            # mode off, so its kernels' factories would escape the card; with the mode on,
+            # one dispatch hop skipped (it calls itself again inside, legitimately)
+            with self:
+                return redispatch_function(func, types, args, kwargs)
         inside = self._inside.__dict__.setdefault("functions", set())
         if type(func) is pytypes.FunctionType and func not in inside \
                 and not func.__qualname__.startswith("Tensor."):
