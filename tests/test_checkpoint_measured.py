@@ -184,3 +184,46 @@ def test_what_autocast_would_keep_in_bf16_is_tagged_from_the_operators():
     # the layer norm's output (rows x D), the linear's output and GELU's (rows x 4D each)
     assert sorted(tagged) == sorted([4 * rows * D, 4 * rows * 4 * D, 4 * rows * 4 * D])
     assert snapshot["memprof"]["model"]["ops_traced"] is True
+
+
+def _activations_peak(context_fn: Callable[[], Any] | None) -> int:
+    """The most bytes labelled activations while a checkpointed stack of 4 Linear(256, 256)
+    layers over 512 rows runs forward and backward, ``context_fn`` its checkpoint's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from memprof.analysis.explain import explain
+    from memprof.collect.recording import predict_cuda_layout
+    from memprof.trace.model import AllocatorSettings
+    from memprof.trace.normalize import normalize
+
+    layers = [nn.Linear(256, 256) for _ in range(4)]
+
+    def stack(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = torch.relu(layer(x))
+        return x
+
+    kwargs = {} if context_fn is None else {"context_fn": context_fn}
+    with CpuRecorder() as recorder:
+        x = torch.randn(512, 256, requires_grad=True)
+        checkpoint(stack, x, use_reentrant=False, **kwargs).sum().backward()
+    snapshot, _ = predict_cuda_layout(recorder.snapshot(), AllocatorSettings())
+    timeline = explain(normalize(snapshot)).devices[0].category_timeline
+    return int(timeline[ACTIVATIONS].max())
+
+
+def test_what_selective_checkpointing_saves_is_activations():
+    """Selective activation checkpointing keeps the outputs its policy saves (here every
+    Linear's, 4 x 512 x 256 fp32) in a cache of its own, not through saved-tensor hooks:
+    they are activations, which full checkpointing (the input alone) does not hold."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return (CheckpointPolicy.MUST_SAVE if func is torch.ops.aten.addmm.default
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    outputs = 4 * 512 * 256 * 4
+    assert _activations_peak(partial(create_selective_checkpoint_contexts, policy)) >= outputs
+    assert _activations_peak(None) < outputs / 2

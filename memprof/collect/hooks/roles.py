@@ -25,6 +25,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils.checkpoint import _VersionWrapper
 from torch.utils.hooks import RemovableHandle
 
 from memprof.collect.hooks.block_saves import BlockSaves
@@ -100,6 +101,15 @@ class RoleHooks:
         ]
         self._forward.install()
         self._saved.__enter__()
+        self._sac_init = init = _VersionWrapper.__init__
+
+        def cached(wrapper: _VersionWrapper, val: Any) -> None:
+            # selective activation checkpointing keeps what its policy saves in a cache of
+            # its own, not through saved-tensor hooks: activations too
+            init(wrapper, val)
+            if isinstance(val, torch.Tensor):
+                self._pack(val)
+        _VersionWrapper.__init__ = cached  # type: ignore[method-assign]
 
     def remove(self) -> None:
         """Mark what the seen modules and optimizers hold now, then remove every hook."""
@@ -127,6 +137,7 @@ class RoleHooks:
                 self._mark_state(optimizer)
         finally:
             self._saved.__exit__()
+            _VersionWrapper.__init__ = self._sac_init  # type: ignore[method-assign]
             self._forward.remove()
             for handle in [*self._handles, *self._grad_hooks]:
                 handle.remove()
