@@ -168,6 +168,29 @@ def test_script_excepthook_is_used(runs: dict[str, Future[Any]]) -> None:
     assert report(out)["run"]["exit"]["error"] == "ValueError: x"
 
 
+def test_an_error_raised_while_handling_another_names_the_first() -> None:
+    """A library's teardown failing after the script's real error (Lightning's DDP teardown
+    after its assertion): the report names the first error too, as Python's traceback does,
+    but not one the script replaced on purpose (``raise ... from None``)."""
+    from memprof.collect.launch.script import _described
+
+    def failing(suppress: bool) -> BaseException:
+        try:
+            try:
+                raise AssertionError("not a DDP model")
+            except AssertionError:
+                if suppress:
+                    raise AttributeError("no static_graph") from None
+                raise AttributeError("no static_graph")  # noqa: B904
+        except AttributeError as exc:
+            return exc
+        raise RuntimeError("unreachable")
+
+    assert _described(failing(False)) == ("AttributeError: no static_graph (raised while"
+                                          " handling AssertionError: not a DDP model)")
+    assert _described(failing(True)) == "AttributeError: no static_graph"
+
+
 @jobs
 def force(where: Path) -> tuple[Result, Path]:
     (where / "out").mkdir()

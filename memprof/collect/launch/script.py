@@ -106,8 +106,7 @@ def run(target: Target) -> Outcome:
     except BaseException as exc:  # the script's own failure, reported as Python would
         raised_in = _modules(exc.__traceback__)
         _print_user_traceback(hook)
-        return Outcome("raised", 1, f"{type(exc).__name__}: {_text_of(exc)}",
-                       raised_in=raised_in)
+        return Outcome("raised", 1, _described(exc), raised_in=raised_in)
     finally:
         sys.argv = saved_argv
         if sys.path:  # memprof's own folders back, where the script removed them
@@ -172,6 +171,21 @@ def _release_script() -> None:
 
 
 atexit.register(_release_script)
+
+
+def _described(exc: BaseException) -> str:
+    """``Type: message``, and the first exception of its chain where this one was raised
+    while handling it (a library's teardown failing after the real error), as Python's
+    traceback shows both."""
+    text = f"{type(exc).__name__}: {_text_of(exc)}"
+    first, seen = exc, {id(exc)}
+    while first.__context__ is not None and not first.__suppress_context__ \
+            and id(first.__context__) not in seen:
+        first = first.__context__
+        seen.add(id(first))
+    if first is exc:
+        return text
+    return f"{text} (raised while handling {type(first).__name__}: {_text_of(first)})"
 
 
 def _text_of(exc: BaseException) -> str:
