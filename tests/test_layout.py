@@ -85,3 +85,37 @@ def test_a_placement_with_frees_requested_first_is_replayed_alike():
     assert np.array_equal(tallied.allocated, expected.allocated)
     assert np.array_equal(tallied.end, expected.end)
     assert tallied.peak == expected.peak and tallied.final == expected.final
+
+
+@pytest.mark.parametrize("freed", ["tail", "head"])
+def test_pages_unmapped_from_an_expandable_range_are_traced_as_the_allocator_gives_them_back(
+        freed: str):
+    """Expandable segments: 60 + 60 MiB mapped as one range, one tensor freed and its pages
+    given back (``empty_cache()``, as ``torch.cuda.graph`` does on entering, or the last
+    out-of-memory retry), then 100 MiB more. Giving back the range's tail keeps its start
+    (the old trace had no unmap for it); its head cuts it (the old trace unmapped all of it).
+    The trace's map and unmap events sum to what the allocator reserves, at every step,
+    and its own replay reproduces it."""
+    from memprof.analysis.allocator import CachingAllocator
+    from memprof.analysis.layout import Placer
+
+    placer = Placer(CachingAllocator(parse_alloc_conf("expandable_segments:True")))
+    gone = 2 if freed == "tail" else 1
+
+    def traced() -> int:
+        signs = {"segment_map": 1, "segment_unmap": -1}
+        return sum(signs.get(e[0], 0) * e[2] for e in placer.trace)
+
+    for event in _events([("alloc", 1, 60 * MIB), ("alloc", 2, 60 * MIB),
+                          ("free", gone, 60 * MIB)]):
+        placer.add(event)
+    assert traced() == placer.alloc.reserved == 120 * MIB
+    placer.release_cached(0)
+    assert traced() == placer.alloc.reserved == 60 * MIB
+    for event in _events([("alloc", 3, 100 * MIB)]):
+        placer.add(event)
+    assert traced() == placer.alloc.reserved == 160 * MIB
+    layout = placer.layout()
+    trace = as_snapshot_events(layout.trace)
+    d = explain(normalize({"segments": layout.segments, "device_traces": [trace]})).devices[0]
+    assert d.replay.inconsistencies == 0 and d.peak_reserved_bytes == 160 * MIB

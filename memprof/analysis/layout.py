@@ -162,18 +162,27 @@ class Placer:
         alloc, before, totals = self.alloc, self._segments, self._totals
         if alloc.segment_changes == self._changes:
             return
+        # an expandable range's pages: unmapping some keeps the range's start (or cuts it in
+        # two), so what changed is the pages each side covers that the other does not
+        mapped = sorted((s.addr, s.addr + s.total) for s in alloc.segments.values()
+                        if s.expandable)
+        was_mapped = sorted((a, a + totals[a]) for a, s in before.items() if s.expandable)
         for addr, seg in before.items():
-            if addr not in alloc.segments:
-                action = "segment_unmap" if seg.expandable else "segment_free"
-                self._segment_event((action, addr, seg.total, seg.stream, time_us, ()), -1)
+            if seg.expandable:
+                for lo, hi in _uncovered(addr, addr + totals[addr], mapped):
+                    self._segment_event(("segment_unmap", lo, hi - lo, seg.stream, time_us,
+                                         ()), -1)
+            elif addr not in alloc.segments:
+                self._segment_event(("segment_free", addr, seg.total, seg.stream, time_us,
+                                     ()), -1)
         for seg in alloc.segments.values() if grown_by is not None else ():
-            added = seg.total - totals.get(seg.addr, 0)
-            if added > 0:
+            grown = _uncovered(seg.addr, seg.addr + seg.total, was_mapped) if seg.expandable \
+                else [] if seg.addr in totals else [(seg.addr, seg.addr + seg.total)]
+            for lo, hi in grown:
                 action = "segment_map" if seg.expandable else "segment_alloc"
-                addr = seg.addr + totals.get(seg.addr, 0) if seg.expandable else seg.addr
-                self._segment_event((action, addr, added, seg.stream, time_us, grown_by), 1)
-                if seg.pool != DEFAULT_POOL:
-                    self._pools[seg.addr] = seg.pool
+                self._segment_event((action, lo, hi - lo, seg.stream, time_us, grown_by), 1)
+            if grown and seg.pool != DEFAULT_POOL:
+                self._pools[seg.addr] = seg.pool
         self._segments = dict(alloc.segments)
         self._totals = {addr: seg.total for addr, seg in alloc.segments.items()}
         self._changes = alloc.segment_changes
@@ -189,6 +198,22 @@ class Placer:
             self._tally.finish(self.alloc)
         return Layout(list(self.trace), snapshot_segments(self.alloc, device, self._stacks),
                       array("q", self.position), dict(self._pools), self._tally, device)
+
+
+def _uncovered(lo: int, hi: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``[lo, hi)`` that none of ``ranges`` (sorted, disjoint) covers."""
+    gaps, at = [], lo
+    for start, end in ranges[max(0, bisect.bisect_right(ranges, (lo, lo)) - 1):]:
+        if start >= hi:
+            break
+        if end <= at:
+            continue
+        if start > at:
+            gaps.append((at, start))
+        at = max(at, end)
+    if at < hi:
+        gaps.append((at, hi))
+    return gaps
 
 
 def snapshot_segments(alloc: CachingAllocator, device: int = 0,

@@ -75,9 +75,12 @@ class CacheRelease:
             if seg.pool in self.pools_in_use:
                 continue
             if seg.expandable:
-                page = self.page_size(seg.small)
+                # pages count from the range's start (each part a cut left starts on one),
+                # not from address 0: ExpandableSegment::segmentLeft/segmentRight
+                page, base = self.page_size(seg.small), seg.addr
                 for b in seg.blocks():
-                    lo, hi = -(-b.addr // page) * page, (b.addr + b.size) // page * page
+                    lo = base + -(-(b.addr - base) // page) * page
+                    hi = base + (b.addr + b.size - base) // page * page
                     if b.cached and hi > lo:
                         pages.append((lo, hi - lo))
             elif seg.first is not None and seg.first.next is None and seg.first.cached:
