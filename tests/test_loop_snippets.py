@@ -145,3 +145,19 @@ def test_an_fsdp_run_offloads_with_fsdps_switch_not_deepspeeds() -> None:
     assert "offload_optimizer" not in found
     assert "FSDPStrategy(..., cpu_offload=True)" in found["fsdp_offload"].snippet
 
+
+
+def test_fsdp1_hybrid_shard_is_offered_fsdp_over_every_rank() -> None:
+    """HYBRID_SHARD over 2 replicas of 2 ranks: FULL_SHARD over all 4 splits the model
+    state 4 ways instead of 2, in FSDP1's own terms."""
+    moment = {**dict.fromkeys(CATEGORIES, 0), PARAMETERS: 4 << 20, OPTIMIZER_STATE: 8 << 20,
+              ACTIVATIONS: 1 << 20}
+    facts = {"dtypes": {"float32": 1 << 20}, "autocast": None, "parallelism": {
+        "strategies": ["fsdp1:hybrid_shard"],
+        "meshes": [{"shape": [2, 2], "dims": [], "placements": ["Replicate()", "Shard(dim=0)"]}]}}
+    peak = Peak(moment, moment, 0.0)
+    flat = {r.key: r for r in catalogue(peak, Context(facts, world_size=4))}["fsdp_flat_mesh"]
+    assert flat.title == "FSDP over all 4 GPUs instead of HSDP (2 replicas of 2)"
+    assert flat.change(peak).at_step[OPTIMIZER_STATE] == (8 << 20) // 2
+    assert "ShardingStrategy.FULL_SHARD" in flat.snippet and flat.verify == {"flat_mesh": True}
+    compile(flat.snippet, "<snippet>", "exec")

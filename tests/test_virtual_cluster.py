@@ -262,8 +262,10 @@ def test_fsdp1_holds_each_units_flat_parameter_divided_as_its_strategy_shards_it
     assert torch.cuda.memory_allocated() == sum(block(n * F32) for n in shards)
     from memprof.collect.hooks.parallelism import parallelism
 
+    # HYBRID_SHARD's groups, replicas across and shards within: a (2, 2) mesh, as HSDP's
+    hybrid = [{"shape": [2, 2], "dims": [], "placements": ["Replicate()", "Shard(dim=0)"]}]
     assert parallelism(model.modules()) == {"strategies": [f"fsdp1:{strategy.lower()}"],
-                                            "meshes": []}
+                                            "meshes": hybrid if mesh else []}
     # FSDP1's units are its wrappers, not the model's blocks: none repeats here (the Linears
     # are leaves)
     from memprof.collect.hooks.model_facts import model_facts
@@ -276,6 +278,15 @@ def test_fsdp1_holds_each_units_flat_parameter_divided_as_its_strategy_shards_it
 
     assert PARAMETERS in communication_call("/site-packages/torch/distributed/utils.py",
                                             "_alloc_storage")
+    if mesh is not None:  # suggest's FSDP over every rank: shards of all 4, not of 2
+        from memprof.collect.launch.apply_distributed import distributed_applied
+
+        with distributed_applied({"flat_mesh": True}):
+            flat = FullyShardedDataParallel(
+                model_on_card(), device_id=0, device_mesh=init_device_mesh("cuda", (2, 2)),
+                sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+        assert [p.numel() for p in flat.parameters()] == [-(-n // 4) for n in units]
 
 
 @pytest.mark.parametrize("group", [(1, 4)], indirect=True)

@@ -17,6 +17,7 @@ from memprof.advise.remedy import SEEDS, Context, Remedy
 from memprof.trace.model import (
     COMMUNICATION,
     GRADIENTS,
+    HYBRID_STRATEGIES,
     OPTIMIZER_STATE,
     PARAMETERS,
     TEMPORARIES,
@@ -93,10 +94,18 @@ def _flat_mesh(ctx: Context) -> list[Remedy]:
         f"parameters, gradients and optimizer state split {world} ways instead of {shards}",
         lambda p: p.scaled(dict.fromkeys((PARAMETERS, GRADIENTS, OPTIMIZER_STATE),
                                          shards / world)),
-        "# the mesh fully_shard gets: one dimension of every rank, not (replicas, shards)\n"
-        f'mesh = init_device_mesh("cuda", ({world},))\n'
-        "fully_shard(module, mesh=mesh)",
-        {"flat_mesh": True})]
+        _flat_mesh_snippet(ctx), {"flat_mesh": True})]
+
+
+def _flat_mesh_snippet(ctx: Context) -> str:
+    """FSDP over every GPU, in the terms of the FSDP the run uses."""
+    strategies = set((ctx.model.get("parallelism") or {}).get("strategies") or ())
+    if strategies & set(HYBRID_STRATEGIES):
+        return ("model = FullyShardedDataParallel(model, ...,  # no device_mesh, one group\n"
+                "    sharding_strategy=ShardingStrategy.FULL_SHARD)  # not HYBRID_SHARD")
+    return ("# the mesh fully_shard gets: one dimension of every rank, not (replicas, shards)\n"
+            f'mesh = init_device_mesh("cuda", ({ctx.world_size},))\n'
+            "fully_shard(module, mesh=mesh)")
 
 
 def _more_gpus(ctx: Context, strategies: set[str]) -> list[Remedy]:
@@ -216,10 +225,12 @@ def _offload_snippet(ctx: Context, strategies: set[str]) -> str:
 
 
 def _hsdp_mesh(ctx: Context) -> tuple[int, int] | None:
-    """(replicas, shards) of an FSDP2 run's HSDP mesh: two dimensions, the parameters
-    replicated over the first and sharded over the second; None for any other run."""
+    """(replicas, shards) of an HSDP run's mesh (FSDP2 on a 2-D mesh, FSDP1's
+    HYBRID_SHARD): two dimensions, the parameters replicated over the first and sharded
+    over the second; None for any other run."""
     facts = ctx.model.get("parallelism") or {}
-    if "fsdp2" not in (facts.get("strategies") or ()):
+    strategies = set(facts.get("strategies") or ())
+    if not strategies & {"fsdp2", *HYBRID_STRATEGIES}:
         return None
     for mesh in facts.get("meshes") or ():
         placements = mesh.get("placements") or []

@@ -50,6 +50,9 @@ CATEGORIES = (PARAMETERS, BUFFERS, GRADIENTS, OPTIMIZER_STATE, COMMUNICATION, AC
 # and give those up too
 COMMUNICATION_OVERRIDES = (ACTIVATIONS, TEMPORARIES, OTHER)
 GATHERED_OVERRIDES = (PARAMETERS, *COMMUNICATION_OVERRIDES)
+# run.model.parallelism's strategies that shard within a group and replicate across groups
+# (FSDP1's HYBRID_SHARD)
+HYBRID_STRATEGIES = ("fsdp1:hybrid_shard", "fsdp1:_hybrid_shard_zero2")
 # what some activations were, for savings models: quadratic attention scores saved for
 # backward, and tensors saved by forwards in eval mode that no backward ever used
 ATTENTION_SCORES = "attention_scores"

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from memprof.trace.model import HYBRID_STRATEGIES
+
 
 def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
     """``run.model.parallelism`` (JSON-ready), or None for a model on one GPU."""
@@ -25,6 +27,13 @@ def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
         if strategy is not None:
             strategies.add(strategy)
             computes.update(_param_dtype(module))
+        if strategy in HYBRID_STRATEGIES:  # FSDP1's replica and shard groups: a 2-D mesh
+            replicas, shards = (_group_size(module, name)
+                                for name in ("_inter_node_pg", "process_group"))
+            if replicas and shards:
+                placements = ["Replicate()", "Shard(dim=0)"]
+                meshes.setdefault(((replicas, shards), (), tuple(placements)), {
+                    "shape": [replicas, shards], "dims": [], "placements": placements})
         for p in module.parameters(recurse=False):
             mesh = getattr(p, "device_mesh", None)  # a DTensor's
             if mesh is not None:
@@ -74,11 +83,11 @@ def is_wrapper(module: torch.nn.Module) -> bool:
 def _strategy(module: torch.nn.Module) -> str | None:
     """What ``module`` is, by its class's name (no distributed module imported)."""
     names = {cls.__name__ for cls in type(module).__mro__}
-    if "DistributedDataParallel" in names:
-        return "ddp"
-    if "FullyShardedDataParallel" in names:
+    if "FullyShardedDataParallel" in names:  # (suggest's FSDP made for DDP is both)
         strategy = getattr(module, "sharding_strategy", None)
         return f"fsdp1:{getattr(strategy, 'name', 'unknown').lower()}"
+    if "DistributedDataParallel" in names:
+        return "ddp"
     if "FSDPModule" in names:
         return "fsdp2"
     if "DeepSpeedEngine" in names:
@@ -96,4 +105,11 @@ def _param_dtype(module: torch.nn.Module) -> list[str]:
         policy = getattr(state(), "_mp_policy", None)
     dtype = getattr(policy, "param_dtype", None)
     return [str(dtype).removeprefix("torch.")] if isinstance(dtype, torch.dtype) else []
+
+
+def _group_size(module: torch.nn.Module, name: str) -> int | None:
+    """The size of the process group FSDP1 keeps as ``name``, if it keeps one."""
+    group = module.__dict__.get(name)
+    size = getattr(group, "size", None)
+    return size() if callable(size) else None
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,10 +57,10 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
         instead = _fsdp_instead(str(strategy), frozenset(units))
         patches += [(parallel, "DistributedDataParallel", instead),
                     (distributed, "DistributedDataParallel", instead)]
-    if sharded or offload:
+    if sharded or offload or flat:
         patches.append((FullyShardedDataParallel, "__init__", _forced(
             FullyShardedDataParallel.__init__,
-            ShardingStrategy[str(strategy)] if sharded else None, offload)))
+            ShardingStrategy[str(strategy)] if sharded else None, offload, flat)))
     if views and not sharded:
         viewed = _bucket_views(ddp)
         patches += [(parallel, "DistributedDataParallel", viewed),
@@ -96,6 +97,7 @@ def _fsdp_instead(strategy: str, units: frozenset[str]) -> type:
         class the script (or its library: Lightning asserts it) asked for, answering what
         libraries read of a DDP model."""
 
+        __module__ = FullyShardedDataParallel.__module__  # torch.distributed's wrapper
         static_graph = False
 
         def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -111,25 +113,29 @@ def _fsdp_instead(strategy: str, units: frozenset[str]) -> type:
     return DistributedDataParallel
 
 
-def _forced(init: Callable[..., None], strategy: Any, offload: bool
+def _forced(init: Callable[..., None], strategy: Any, offload: bool, flat: bool
             ) -> Callable[..., None]:
     """FullyShardedDataParallel's ``__init__`` with its sharding ``strategy`` (unless None)
-    and CPU offload of the parameters (if ``offload``) forced, given by keyword or by
-    position (after the module and the process group)."""
-    def forced(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        from torch.distributed.fsdp import CPUOffload
+    and CPU offload of the parameters (if ``offload``) forced, however they were given;
+    with ``flat``, a hybrid strategy shards over every rank instead (its mesh or pair of
+    groups gone: the default group)."""
+    signature = inspect.signature(init)
 
-        given = list(args)
-        for index, name, value in ((1, "sharding_strategy", strategy),
-                                   (2, "cpu_offload", CPUOffload(offload_params=True)
-                                    if offload else None)):
-            if value is None:
-                continue
-            if len(given) > index:
-                given[index] = value
-            else:
-                kwargs[name] = value
-        init(self, module, *given, **kwargs)
+    def forced(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+
+        given = signature.bind_partial(self, module, *args, **kwargs).arguments
+        hybrid = {ShardingStrategy.HYBRID_SHARD: ShardingStrategy.FULL_SHARD,
+                  ShardingStrategy._HYBRID_SHARD_ZERO2: ShardingStrategy.SHARD_GRAD_OP}
+        if flat and given.get("sharding_strategy") in hybrid:
+            given["sharding_strategy"] = hybrid[given["sharding_strategy"]]
+            given.pop("process_group", None)
+            given.pop("device_mesh", None)
+        if strategy is not None:
+            given["sharding_strategy"] = strategy
+        if offload:
+            given["cpu_offload"] = CPUOffload(offload_params=True)
+        init(**given)
     return forced
 
 
