@@ -37,7 +37,6 @@ import torch
 from torch._C import DispatchKey
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import (
-    TorchDispatchMode,
     _get_current_dispatch_mode,
     _pop_mode,
     _push_mode,
@@ -54,6 +53,7 @@ from memprof.collect.cpu.op_facts import (
     VIEW,
     op_facts,
 )
+from memprof.collect.cpu.plain_mode import PlainMode, dispatch_wrapper_codes
 from memprof.collect.cpu.score_ops import is_square, is_vocabulary_wide
 from memprof.collect.cpu.storage_resize import ResizeWatch
 from memprof.collect.frames import StackCapture
@@ -93,44 +93,7 @@ class _StorageRef(weakref.ref):
     __slots__ = ("event", "key")
 
 
-class _PlainMode(TorchDispatchMode):
-    """A dispatch mode whose ``__torch_dispatch__`` torch does not wrap in Dynamo's disable:
-    the wrapper costs a few microseconds per operator, and it only matters to Dynamo tracing
-    under the mode, which the recorders never do (``eager_compile.py``)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-
-class _Probe(_PlainMode):
-    """Finds the Python frames torch puts between an operator call and the mode."""
-
-    def __init__(self, caller: FrameType) -> None:
-        super().__init__()
-        self.caller = caller
-        self.codes: frozenset[int] = frozenset()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        codes = set()
-        frame = sys._getframe(1)
-        while frame is not None and frame is not self.caller:
-            codes.add(id(frame.f_code))
-            frame = frame.f_back
-        self.codes = frozenset(codes)
-        return func(*args, **(kwargs or {}))
-
-
-def _dispatch_wrapper_codes() -> frozenset[int]:
-    probe = _Probe(sys._getframe())
-    with probe:
-        torch.empty(0)
-    return probe.codes
-
-
-
-
-class StorageTracker(_PlainMode):
+class StorageTracker(PlainMode):
     """Dispatch mode that records alloc/free trace events for tensor storages.
 
     Storages that exist before the mode is entered are never recorded; storages still
@@ -181,7 +144,7 @@ class StorageTracker(_PlainMode):
         self._resizes = ResizeWatch(self.resized)
 
     def __enter__(self) -> StorageTracker:
-        self._wrappers = _dispatch_wrapper_codes()
+        self._wrappers = dispatch_wrapper_codes()
         self._stacks.pin(sys._getframe(1))
         self._epoch_us = time.time_ns() // 1000
         self._origin_ns = time.perf_counter_ns()

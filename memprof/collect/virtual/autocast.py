@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from memprof.collect.cpu.storages import _PlainMode
+from memprof.collect.cpu.plain_mode import PlainMode
 
 AUTOCAST_CUDA = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)
 
@@ -111,7 +111,7 @@ def _cached_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-class _CastCount(_PlainMode):
+class _CastCount(PlainMode):
     """Counts the operators whose first argument is ``of`` (a plain mode: torch would
     import Dynamo, a second, to wrap a ``TorchDispatchMode``'s method)."""
 
