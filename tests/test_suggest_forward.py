@@ -244,6 +244,52 @@ def test_a_half_precision_models_upcast_loss_is_offered_in_its_dtype(tmp_path: P
                                                                       plain.context)}
 
 
+LAST_TOKEN = """\
+import sys
+import torch
+from torch import nn
+import torch.nn.functional as F
+V, T, B = 4096, 64, 4
+model = nn.Sequential(nn.Embedding(V, 32), nn.Linear(32, V)).cuda()
+optimizer = torch.optim.SGD(model.parameters())
+for _ in range(2):
+    logits = model(torch.randint(0, V, (B, T), device="cuda"))  # (B, T, V): every position
+    rows = logits[:, -1] if sys.argv[1] == "last" else logits.flatten(0, 1)
+    F.cross_entropy(rows, torch.zeros(rows.shape[0], dtype=torch.long, device="cuda")).backward()
+    optimizer.step()
+    del logits, rows
+"""
+
+
+def test_a_loss_that_reads_the_last_positions_logits_is_offered_only_those(
+        tmp_path: Path) -> None:
+    """A generation-style loss over the last position of 4 x 64 positions of 4,096-class
+    logits reads 4 of the 256 rows the model computes: the 252 others (and their zero
+    gradient in backward, as large) need not be made. A loss over every row is not
+    offered it."""
+    (tmp_path / "last_token.py").write_text(LAST_TOKEN)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda how: memprof_run(
+            tmp_path, "-o", how, "--no-timeline", "last_token.py", how), ("last", "all")))
+    assert all(r.code == 0 for r in results), [r.stderr for r in results]
+    last = advise(load_run(tmp_path / "last"), parse_budget("1MiB"))
+    assert last.run.model["loss"] == {"shape": [4, 4096], "dtype": "float32",
+                                      "logits_rows": 4 * 64}
+    keep = {r.key: r for r in forward_remedies(last.start, last.context)}["logits_to_keep"]
+    assert keep.title == "logits for the 4 rows the loss reads, not all 256"
+    unread = (256 - 4) * 4096 * 4
+    assert f"({unread:,} bytes)" in keep.assumptions
+    start, after = last.start, keep.change(last.start)
+    moment = "at_step" if start.moment is start.at_step else "at_peak"
+    assert getattr(start, moment)["temporaries"] - getattr(after, moment)["temporaries"] \
+        == min(getattr(start, moment)["temporaries"], 2 * unread)
+    compile(keep.snippet, "<snippet>", "exec")
+    every = advise(load_run(tmp_path / "all"), parse_budget("1MiB"))
+    assert every.run.model["loss"]["logits_rows"] == 256
+    assert "logits_to_keep" not in {r.key for r in forward_remedies(every.start,
+                                                                    every.context)}
+
+
 TRAINED_IN_EVAL = """\
 import torch
 from torch import nn

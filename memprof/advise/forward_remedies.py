@@ -1,7 +1,8 @@
 """Remedies that need facts ``memprof run`` records about the forward pass: fused
 attention where quadratic attention scores are saved for backward, a chunked (or fused)
 cross-entropy where a vocabulary's log-probabilities are (or one in the model's half
-precision, where its logits were upcast for the loss), ``no_grad`` for evaluation
+precision, where its logits were upcast for the loss), logits for the rows a loss reads
+where it reads a slice of them, ``no_grad`` for evaluation
 passes run with grad enabled, and ``zero_grad(set_to_none=True)`` where gradients are
 zeroed and kept through the next forward pass.
 
@@ -13,9 +14,18 @@ estimates.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from memprof.advise.peak import Peak
 from memprof.advise.remedy import SEEDS, Context, Remedy
-from memprof.trace.model import ATTENTION_SCORES, EVAL_ACTIVATIONS, GRADIENTS, LOSS_LOGITS
+from memprof.trace.model import (
+    ATTENTION_SCORES,
+    EVAL_ACTIVATIONS,
+    GRADIENTS,
+    LOSS_LOGITS,
+    OTHER,
+    TEMPORARIES,
+)
 
 SCORES_SHARE = 0.03  # attention scores under this share of the peak: not worth a rewrite
 LOSS_SHARE = 0.03  # the same for a cross-entropy's log-probabilities
@@ -28,7 +38,8 @@ _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 def forward_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
     """The remedies of this module that apply to the run."""
     return (_fused_attention(peak, ctx) + _chunked_loss(peak, ctx)
-            + _loss_in_model_dtype(peak, ctx) + _no_grad(peak, ctx) + _set_to_none(peak, ctx))
+            + _loss_in_model_dtype(peak, ctx) + _logits_to_keep(peak, ctx) + _no_grad(peak, ctx)
+            + _set_to_none(peak, ctx))
 
 
 def _fused_attention(peak: Peak, ctx: Context) -> list[Remedy]:
@@ -110,6 +121,44 @@ def _loss_in_model_dtype(peak: Peak, ctx: Context) -> list[Remedy]:
         lambda p: p.without_tag(LOSS_LOGITS, 0.5),
         f"{library}# without .float(): the logits stay {half}\n"
         "loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())")]
+
+
+def _logits_to_keep(peak: Peak, ctx: Context) -> list[Remedy]:
+    """A loss that reads a slice of logits computed whole (``logits[:, -1]``, a
+    generation-style loss over the last positions): the rows it never reads need not be."""
+    facts = ctx.model.get("loss") or {}
+    shape, computed = facts.get("shape") or [], facts.get("logits_rows")
+    if not shape or not computed:
+        return []
+    classes, used = shape[-1], 1
+    for n in shape[:-1]:
+        used *= n
+    unread = (computed - used) * classes * _ITEMSIZE.get(facts["dtype"], 4)
+    if unread < LOSS_SHARE * peak.allocated:
+        return []
+    snippet = ("outputs = model(input_ids, logits_to_keep=k)  # the last k positions' logits"
+               if ctx.transformers else
+               "logits = model.head(hidden[:, -k:])  # the output layer on the rows the loss"
+               " reads")
+    return [Remedy(
+        "logits_to_keep", f"logits for the {used:,} rows the loss reads, not all {computed:,}",
+        "loss", 1, "none: the same loss", SEEDS["loss"],
+        f"the loss reads {used:,} of the {computed:,} rows of {classes:,}-class logits the"
+        f" model computes; the other rows' logits ({unread:,} bytes) and their zero gradient"
+        " in backward, as large, are not made, where the peak holds them (as temporaries,"
+        " or kept by the script to its end)",
+        lambda p: _without_logits(p, unread),
+        snippet)]
+
+
+def _without_logits(p: Peak, unread: int) -> Peak:
+    """``p`` without ``unread`` bytes of logits and as many of their gradient among the
+    temporaries, and without the logits the script still holds at its end (``other``), at
+    each moment (the recorded peak may be either), as far as each holds that many."""
+    def fewer(held: dict[str, int]) -> dict[str, int]:
+        return {**held, TEMPORARIES: held[TEMPORARIES] - min(held[TEMPORARIES], 2 * unread),
+                OTHER: held[OTHER] - min(held[OTHER], unread)}
+    return replace(p, at_peak=fewer(p.at_peak), at_step=fewer(p.at_step))
 
 
 def _no_grad(peak: Peak, ctx: Context) -> list[Remedy]:

@@ -100,7 +100,7 @@ class LabelHooks(RoleHooks):
         for event in self._tracker.alloc_events(t):
             key = id(event)
             tag = self._forward.tag(t, key in self._tracker.square_scores,
-                                    key in self._tracker.log_probabilities)
+                                    self._tracker.log_probabilities.get(key))
             if tag is not None:
                 self._tags.setdefault(key, tag)
                 self._eval_tagged |= tag == EVAL_ACTIVATIONS

@@ -43,3 +43,17 @@ def is_square(t: torch.Tensor) -> bool:
 def is_vocabulary_wide(t: torch.Tensor) -> bool:
     """Rows of at least :data:`VOCABULARY` classes."""
     return t.dim() >= 1 and t.size(-1) >= VOCABULARY
+
+
+def logits_rows(logits: object, out: torch.Tensor) -> int:
+    """The rows of vocabulary-wide logits that ``logits`` (a loss's input, whose output
+    ``out`` has its rows) is part of: its storage's rows where it is a slice of logits
+    computed whole (``logits[:, -1]``), else ``out``'s own."""
+    from memprof.collect.tensors import storages_behind
+
+    rows = out.numel() // max(1, out.size(-1))
+    if not isinstance(logits, torch.Tensor) or logits.shape[-1:] != out.shape[-1:]:
+        return rows
+    whole = max((st.nbytes() for st in storages_behind(logits)), default=0)
+    return max(rows, whole // max(1, logits.size(-1) * logits.element_size()))
+

@@ -54,7 +54,7 @@ from memprof.collect.cpu.op_facts import (
     op_facts,
 )
 from memprof.collect.cpu.plain_mode import PlainMode, dispatch_wrapper_codes
-from memprof.collect.cpu.score_ops import is_square, is_vocabulary_wide
+from memprof.collect.cpu.score_ops import is_square, is_vocabulary_wide, logits_rows
 from memprof.collect.cpu.storage_resize import ResizeWatch
 from memprof.collect.frames import StackCapture
 from memprof.collect.recording import requested_peak
@@ -114,7 +114,9 @@ class StorageTracker(PlainMode):
         self.modules: dict[int, str] = {}  # id(alloc event) -> path of the module that made it
         self.scope: Callable[[], str | None] | None = None  # the module allocating now
         self.square_scores: set[int] = set()  # id(alloc event) of T x T outputs of SCORE_OPS
-        self.log_probabilities: set[int] = set()  # of vocabulary-wide outputs of LOSS_OPS
+        # of vocabulary-wide outputs of LOSS_OPS: the rows of the logits their input is part
+        # of (more than it has where the loss reads a slice of logits computed whole)
+        self.log_probabilities: dict[int, int] = {}
         # of fp32 allocations CUDA autocast would make in half precision, and of those it
         # would cast to half copies for an op it runs in half (which saves the copies)
         self.halves: set[int] = set()
@@ -282,7 +284,7 @@ class StorageTracker(PlainMode):
                     frame = frame or self._op_frame()
                     self._alloc(st, key, frame)
                     if facts & (SCORES | FUSED | LOSS):
-                        self._classify(facts, t)
+                        self._classify(facts, t, args)
                     if t.dtype is torch.float32:
                         new.append(id(self.events[-1]))
             if (new or facts & HALF) and not facts & FP32 and torch.is_grad_enabled():
@@ -334,12 +336,12 @@ class StorageTracker(PlainMode):
         elif inputs and all(i in self.halves for i in inputs):
             self.halves.update(new)
 
-    def _classify(self, facts: int, t: torch.Tensor) -> None:
+    def _classify(self, facts: int, t: torch.Tensor, args: tuple) -> None:
         """Note what the new allocation's op (``op_facts``) tells the savings models."""
         if facts & SCORES and is_square(t):
             self.square_scores.add(id(self.events[-1]))
         if facts & LOSS and is_vocabulary_wide(t):
-            self.log_probabilities.add(id(self.events[-1]))
+            self.log_probabilities[id(self.events[-1])] = logits_rows(args[0], t)
         if facts & FUSED:
             self.fused_attention = True
 

@@ -86,20 +86,23 @@ class ForwardFacts:
         elif outer is not None and under_checkpoint(caller):  # the outer forward checkpoints
             self.checkpointed.add(outer)
 
-    def tag(self, t: torch.Tensor, square_score: bool, log_probabilities: bool = False
+    def tag(self, t: torch.Tensor, square_score: bool, logits_rows: int | None = None
             ) -> str | None:
-        """What a tensor saved for backward is, if a savings model needs to know."""
+        """What a tensor saved for backward is, if a savings model needs to know
+        (``logits_rows``: it is a cross-entropy's log-probabilities, of a slice of logits
+        that many rows long where the loss reads part of them)."""
         if self.stack and not self.stack[0].training:  # no_grad would save nothing at all
             self.eval_module = self.eval_module or type(self.stack[0]).__name__
             return EVAL_ACTIVATIONS
         if square_score:
             self._note_score(t)
             return ATTENTION_SCORES
-        if log_probabilities:
+        if logits_rows is not None:
             size = t.numel() * t.element_size()
             if size > self._largest_loss:
                 self._largest_loss = size
-                self.loss = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                self.loss = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                             "logits_rows": logits_rows}
             return LOSS_LOGITS
         return None
 
