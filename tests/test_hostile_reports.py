@@ -99,3 +99,23 @@ def test_suggest_takes_any_report(reports, tmp_path_factory, data, which):
     path.write_text(json.dumps(_mutate(reports[which], data)))
     _invoke(["suggest", str(path), "--budget", "1MB"])
     _invoke(["suggest", str(path), "--budget", "1MB", "--gpus", "8", "--json"])
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("loss", {"shape": "abc", "dtype": 5, "logits_rows": "x"}),
+    ("loss", {"shape": [4, 4096], "dtype": "float32", "logits_rows": -3}),
+    ("accumulation", "twice"),
+    ("trained_in_eval", ["GPT"]),
+    ("parallelism", {"strategies": ["fsdp2"], "meshes": [], "param_dtype": 16}),
+])
+def test_model_facts_suggest_reads_are_refused_when_wrong(reports, tmp_path, field, value):
+    """The model facts the loss, accumulation, precision and checkpointing remedies read,
+    of a wrong type or range: the report is refused in one line that names the field."""
+    report = copy.deepcopy(reports["virtual"])
+    report["run"]["model"][field] = value
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    result = CliRunner().invoke(app, ["suggest", str(path), "--budget", "1MB"])
+    assert isinstance(result.exception, MemprofError), repr(result.exception)
+    assert f"run.model.{field}" in result.exception.message
+    assert "\n" not in result.exception.message

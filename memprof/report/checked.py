@@ -197,10 +197,13 @@ MODEL = record(
     zero_grad_set_to_none=optional(FLAG),
     attention=optional(record(fused=optional(FLAG), score_shape=optional(items(COUNT)),
                               score_dtype=optional(TEXT), module=optional(TEXT))),
-    eval_module=optional(TEXT), checkpointed=items(TEXT), loaded_state_dict=FLAG,
-    ops_traced=FLAG,
+    eval_module=optional(TEXT), trained_in_eval=optional(TEXT), checkpointed=items(TEXT),
+    loaded_state_dict=FLAG, ops_traced=FLAG, accumulation=optional(COUNT),
+    loss=optional(record(("shape", "dtype"), shape=items(COUNT), dtype=TEXT,
+                         logits_rows=COUNT)),
     parallelism=optional(record(strategies=items(TEXT), meshes=items(record(
-        shape=items(COUNT), dims=items(TEXT), placements=optional(items(TEXT)))))),
+        shape=items(COUNT), dims=items(TEXT), placements=optional(items(TEXT)))),
+        param_dtype=optional(TEXT))),
 )
 RUN = record(
     command=items(TEXT), started=TEXT, cwd=TEXT, launcher_env=optional(table(TEXT)),
