@@ -7,7 +7,6 @@ them (a peak per remedy, ``plan`` for the whole plan), so each case is exact.
 from __future__ import annotations
 
 import io
-from dataclasses import replace
 
 import pytest
 from conftest import fixture
@@ -15,7 +14,7 @@ from conftest import fixture
 from memprof.advise.advice import Advice, advise
 from memprof.advise.budget import parse_budget
 from memprof.advise.peak import Peak
-from memprof.advise.render import fitting_alone, plan_fits
+from memprof.advise.render import plan_fits
 from memprof.advise.source import load_run
 from memprof.advise.verify import BASELINE, PLAN
 
@@ -54,15 +53,37 @@ def test_an_estimated_plan_measured_over_the_budget_does_not_fit(advice: Advice)
     assert plan_fits(advice, {PLAN: None}) is False  # ran out of memory when measured
 
 
-def test_a_remedy_measured_to_fit_alone_is_named(advice: Advice) -> None:
+def test_a_plan_measured_over_the_budget_is_made_again_from_the_measured_peaks(
+        advice: Advice) -> None:
+    """The estimated plan measured over the budget, two remedies measured alone, one within
+    it: the plan is that remedy, fitting by its measured peak (exit 0), and says what the
+    estimated plan measured; where none fits alone, the estimated plan stays, not fitting."""
+    from rich.console import Console
+
+    from memprof.advise.render import as_json, render
+    from memprof.advise.verify import DISCARDED, _replanned
+
     budget = advice.budget.bytes
-    first, second = (r.remedy.key for r in advice.ranked[:2])
+    first, second = (r.remedy for r in advice.ranked[:2])
     over, fits = _under(budget) + PAGE, _under(budget)
-    measured = {BASELINE: _peak(2 * over), PLAN: _peak(over), first: _peak(over),
-                second: _peak(fits)}
-    (title, peak), = fitting_alone(advice, measured)
-    assert title == advice.ranked[1].remedy.title and peak.reserved == fits
-    assert fitting_alone(replace(advice, budget=parse_budget(str(fits - 1))), measured) == []
+    measured = {BASELINE: _peak(2 * over), PLAN: _peak(over), first.key: _peak(over),
+                second.key: _peak(fits)}
+    again = _replanned(advice, measured)
+    assert [s.remedy.key for s in again.plan.steps] == [second.key]
+    assert again.discarded == advice.plan and measured[DISCARDED].reserved == over
+    assert measured[PLAN].reserved == fits and plan_fits(again, measured)
+    shown = io.StringIO()
+    render(again, Console(file=shown, width=200), measured)
+    assert "Plan, made again from the measured peaks: 1 step(s) to fit" in shown.getvalue()
+    plan = as_json(again, measured)["suggest"]["plan"]
+    assert plan["fits"] and plan["discarded"] == {
+        "steps": [s.remedy.key for s in advice.plan.steps],
+        "measured": {"reserved_bytes": over, "allocated_bytes": over}}
+    # nothing measured within the budget: the estimated plan stays, and does not fit
+    none_fit = {**{k: v for k, v in measured.items() if k != DISCARDED}, PLAN: _peak(over),
+                second.key: _peak(over)}
+    kept = _replanned(advice, none_fit)
+    assert kept is advice and not plan_fits(kept, none_fit)
 
 
 def test_a_batch_flag_left_at_its_default_is_read_from_the_scripts_parser(tmp_path) -> None:

@@ -24,6 +24,9 @@ class Advice:
     plan: Plan
     context: Context
     excluded: tuple[str, ...] = ()  # remedies --verify measured saving nothing: not planned
+    # the estimated plan, where --verify measured it over the budget and made the plan again
+    # from the measured peaks (one remedy measured to fit alone)
+    discarded: Plan | None = None
 
     # the run's trace replayed with the budget as the device's memory, where the run
     # reserved more than the budget only after its allocation peak (its cache grew)

@@ -12,7 +12,7 @@ from rich.text import Text
 from memprof.advise.advice import Advice
 from memprof.advise.peak import Peak
 from memprof.advise.plan import Ranked
-from memprof.advise.verify import BASELINE, PLAN, Failed, Measured, idle_remedies
+from memprof.advise.verify import BASELINE, DISCARDED, PLAN, Failed, Measured, idle_remedies
 from memprof.report.console import CATEGORY_NAMES
 from memprof.report.json import SCHEMA
 from memprof.report.text import plain, visible
@@ -142,28 +142,28 @@ def plan_fits(advice: Advice, measured: Measured) -> bool:
     return advice.plan.fits
 
 
-def fitting_alone(advice: Advice, measured: Measured) -> list[tuple[str, Peak]]:
-    """The remedies whose re-run alone measured within the budget, smallest peak first."""
-    titles = {r.remedy.key: r.remedy.title for r in advice.ranked}
-    found = [(titles[key], peak) for key, peak in measured.items() if key in titles
-             and isinstance(peak, Peak) and peak.reserved <= advice.budget.bytes]
-    return sorted(found, key=lambda pair: pair[1].reserved)
+def _measured_as(peak: Peak | Failed | None) -> str:
+    """How a re-run measured: its peak, or that it ran out of memory or failed."""
+    return f"measured at {fb(peak.reserved)}" if isinstance(peak, Peak) else \
+        "out of memory when measured" if peak is None else "failed when measured"
 
 
 def _plan(advice: Advice, measured: Measured) -> Group:
     plan, parts = advice.plan, []
-    if plan_fits(advice, measured):
+    if advice.discarded is not None:
+        gone = " + ".join(s.remedy.title for s in advice.discarded.steps)
+        parts.append(Text(
+            f"Plan, made again from the measured peaks: {len(plan.steps)} step(s) to fit"
+            f" {fb(advice.budget.bytes)}, measured at {fb(measured[PLAN].reserved)}"  # type: ignore[union-attr]
+            f" (the estimated plan, {gone}, was {_measured_as(measured.get(DISCARDED))})",
+            "bold"))
+    elif plan_fits(advice, measured):
         parts.append(Text(f"Plan: {len(plan.steps)} step(s) to fit {fb(advice.budget.bytes)}",
                           "bold"))
-    elif plan.fits:  # estimated to fit, measured over
-        over = measured[PLAN]
-        shown = f"measured at {fb(over.reserved)}" if isinstance(over, Peak) else \
-            "out of memory when measured" if over is None else "failed when measured"
-        alone = fitting_alone(advice, measured)
-        instead = (f" Measured to fit on its own: {alone[0][0]} ({fb(alone[0][1].reserved)})."
-                   if alone else "")
+    elif plan.fits:  # estimated to fit, measured over, and nothing measured to fit alone
         parts.append(Text(f"The plan was estimated to fit {fb(advice.budget.bytes)} but"
-                          f" {shown}: it does not fit.{instead} The estimated plan:", "bold red"))
+                          f" {_measured_as(measured[PLAN])}: it does not fit, and no remedy"
+                          " measured to fit on its own. The estimated plan:", "bold red"))
     else:
         final = plan.final(advice.start)
         moment = final.moment
@@ -222,6 +222,11 @@ def as_json(advice: Advice, measured: Measured | None = None,
                 "peak": peak(advice.plan.final(start)),
                 "measured": peak(verified.get(PLAN)),
                 "excluded": list(advice.excluded),
+                # the estimated plan --verify measured over the budget, made again from the
+                # measured peaks; null where it was not
+                "discarded": None if advice.discarded is None else {
+                    "steps": [s.remedy.key for s in advice.discarded.steps],
+                    "measured": peak(verified.get(DISCARDED))},
             },
             "baseline_measured": peak(verified.get(BASELINE)),
             "fit_batch": batch,

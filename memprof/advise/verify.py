@@ -12,13 +12,14 @@ from typing import Any
 
 from memprof.advise.advice import Advice
 from memprof.advise.peak import Peak
-from memprof.advise.plan import plan
+from memprof.advise.plan import Plan, Step, plan
 from memprof.advise.remedy import Remedy
 from memprof.advise.rerun import Rerun, with_arg
 from memprof.errors import MemprofError
 
 BASELINE = "baseline"
 PLAN = "plan"
+DISCARDED = "discarded_plan"  # the estimated plan, measured over the budget (_replanned)
 REPRODUCED = 0.05  # a re-run as recorded within this share of the recorded peak reproduces it
 
 
@@ -63,7 +64,24 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
                      and not isinstance(measured.get(s.remedy.key), Failed) for s in steps):
         progress("the whole plan")
         measured[PLAN] = attempt(rerun, [s.remedy.verify for s in steps], batch_arg)
-    return advice, measured
+    return _replanned(advice, measured), measured
+
+
+def _replanned(advice: Advice, measured: Measured) -> Advice:
+    """``advice`` whose plan, measured over the budget, is made again from the measured
+    peaks: the cheapest remedy measured to fit alone (``measured[PLAN]`` then its peak,
+    ``measured[DISCARDED]`` the estimated plan's); unchanged where none fits alone."""
+    budget, whole = advice.budget.bytes, measured.get(PLAN)
+    if PLAN not in measured or (isinstance(whole, Peak) and whole.reserved <= budget):
+        return advice
+    fitting = [(r, peak) for r in advice.ranked
+               if isinstance(peak := measured.get(r.remedy.key), Peak) and peak.reserved <= budget]
+    if not fitting:
+        return advice
+    chosen, peak = min(fitting, key=lambda pair: (pair[0].remedy.cost, pair[1].reserved))
+    measured[DISCARDED], measured[PLAN] = whole, peak
+    return replace(advice, plan=Plan([Step(chosen.remedy, chosen.peak)], True),
+                   discarded=advice.plan)
 
 
 def _within_batch(advice: Advice, batch: int) -> Advice:
@@ -107,7 +125,7 @@ def idle_remedies(measured: Measured) -> list[str]:
     base = measured.get(BASELINE)
     if not isinstance(base, Peak):
         return []
-    return [key for key, peak in measured.items() if key not in (BASELINE, PLAN)
+    return [key for key, peak in measured.items() if key not in (BASELINE, PLAN, DISCARDED)
             and isinstance(peak, Peak) and peak.reserved >= base.reserved]
 
 
