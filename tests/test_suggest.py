@@ -372,10 +372,15 @@ def test_verify_measures_within_10_percent_of_the_estimates(processes: dict[str,
         - loss["measured"]["allocated_bytes"]
     assert loss["verified"] and abs(estimated - measured) <= 0.15 * measured, (estimated,
                                                                                measured)
-    plan = advice["plan"]
-    assert [s["key"] for s in plan["steps"]] == ["expandable_segments", "micro_batch_4"]
-    predicted, measured = plan["peak"]["reserved_bytes"], plan["measured"]["reserved_bytes"]
-    assert abs(predicted - measured) <= 0.05 * measured
+    # the estimated plan (expandable segments, then micro-batch 1/4: 179.17 MiB) measures
+    # 182 MiB, over the 181.20 MiB budget; micro-batch 1/8 alone measures within it: the
+    # plan is made again from the measured peaks
+    plan, budget = advice["plan"], advice["budget"]["bytes"]
+    assert plan["discarded"]["steps"] == ["expandable_segments", "micro_batch_4"]
+    assert plan["discarded"]["measured"]["reserved_bytes"] > budget
+    assert [s["key"] for s in plan["steps"]] == ["micro_batch_8"] and plan["fits"]
+    assert plan["measured"] == by_key["micro_batch_8"]["measured"]
+    assert plan["measured"]["reserved_bytes"] <= budget
 
 
 FIT_BUDGET = "250MB"
