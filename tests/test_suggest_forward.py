@@ -204,6 +204,16 @@ def test_a_cross_entropy_over_a_vocabulary_is_offered_in_chunks(tmp_path: Path) 
     assert "chunked_loss" not in {r.remedy.key for r in narrow.ranked}
 
 
+def _run_both_ways(where: Path, name: str, source: str, ways: tuple[str, str]) -> None:
+    """Write the script ``source`` as ``name`` and run it under memprof once per way (its
+    argument, and the run folder's name), both at once."""
+    (where / name).write_text(source)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda how: memprof_run(
+            where, "-o", how, "--no-timeline", name, how), ways))
+    assert all(r.code == 0 for r in results), [r.stderr for r in results]
+
+
 HALF_LM = """\
 import sys, torch, torch.nn.functional as F
 from torch import nn
@@ -224,11 +234,7 @@ def test_a_half_precision_models_upcast_loss_is_offered_in_its_dtype(tmp_path: P
     """A bf16 model whose logits are upcast for the cross-entropy saves fp32
     log-probabilities: computing it in bf16 halves them. Without the upcast (or with a loss
     in bf16 already) it is not offered."""
-    (tmp_path / "half_lm.py").write_text(HALF_LM)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda how: memprof_run(
-            tmp_path, "-o", how, "--no-timeline", "half_lm.py", how), ("upcast", "bf16")))
-    assert all(r.code == 0 for r in results), [r.stderr for r in results]
+    _run_both_ways(tmp_path, "half_lm.py", HALF_LM, ("upcast", "bf16"))
     upcast = advise(load_run(tmp_path / "upcast"), parse_budget("1MiB"))
     log_probabilities = 256 * 4096 * 4  # rows x vocab, fp32: what log_softmax saves
     assert upcast.start.tagged(LOSS_LOGITS) == log_probabilities
@@ -267,11 +273,7 @@ def test_a_loss_that_reads_the_last_positions_logits_is_offered_only_those(
     logits reads 4 of the 256 rows the model computes: the 252 others (and their zero
     gradient in backward, as large) need not be made. A loss over every row is not
     offered it."""
-    (tmp_path / "last_token.py").write_text(LAST_TOKEN)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda how: memprof_run(
-            tmp_path, "-o", how, "--no-timeline", "last_token.py", how), ("last", "all")))
-    assert all(r.code == 0 for r in results), [r.stderr for r in results]
+    _run_both_ways(tmp_path, "last_token.py", LAST_TOKEN, ("last", "all"))
     last = advise(load_run(tmp_path / "last"), parse_budget("1MiB"))
     assert last.run.model["loss"] == {"shape": [4, 4096], "dtype": "float32",
                                       "logits_rows": 4 * 64}
