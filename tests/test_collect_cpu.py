@@ -502,3 +502,29 @@ def test_tensors_made_on_threads_the_script_starts_are_recorded() -> None:
     assert late.submit(torch.ones, 5).result().sum() == 5  # the stopped recorder steps aside
     late.shutdown()
     assert threading.Thread.start is _THREAD_START  # and the patch is gone
+
+
+def test_a_modules_tensors_after_to_or_half_are_parameters_though_no_forward_sees_them():
+    """``model.half()`` (or ``.cuda()``, ``.to()``) gives a module new tensors; FSDP1, wrapping
+    a model the script put on the card, flattens them and frees them before any forward.
+    Still the model's parameters and buffers: 256 x 256 + 256 fp16 weights, 256 fp16
+    running means, not temporaries."""
+    from memprof.analysis.explain import explain
+    from memprof.collect.recording import predict_cuda_layout
+    from memprof.trace.model import AllocatorSettings
+    from memprof.trace.normalize import normalize
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256, affine=False))
+    with CpuRecorder() as recorder:  # what the recording sees: the new fp16 tensors
+        model.half()
+        for t in (*model.parameters(), *model.buffers()):
+            t.data = torch.empty(0, dtype=t.dtype)  # gone, as once flattened
+    snapshot, _ = predict_cuda_layout(recorder.snapshot(), AllocatorSettings())
+    timeline = explain(normalize(snapshot)).devices[0].category_timeline
+
+    def block(n: int) -> int:
+        return -(-n // 512) * 512
+
+    assert int(timeline["parameters"].max()) == block(256 * 256 * 2) + block(256 * 2)
+    assert int(timeline["buffers"].max()) == 2 * block(256 * 2)  # running mean, variance
+    assert int(timeline["temporaries"].max()) == 0

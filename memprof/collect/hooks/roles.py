@@ -110,6 +110,19 @@ class RoleHooks:
             if isinstance(val, torch.Tensor):
                 self._pack(val)
         _VersionWrapper.__init__ = cached  # type: ignore[method-assign]
+        self._apply_orig = apply = torch.nn.Module._apply
+
+        def applied(module: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            # model.cuda() / .to() / .half(): what the module holds now are its parameters
+            # and buffers, even if they are gone before any forward sees them (FSDP1
+            # flattens a model the script put on the card, and frees its tensors)
+            out = apply(module, fn, *args, **kwargs)
+            for p in module._parameters.values():
+                if p is not None:
+                    self._mark_param(p)
+            self._mark_buffers(module)
+            return out
+        torch.nn.Module._apply = applied  # type: ignore[method-assign]
 
     def remove(self) -> None:
         """Mark what the seen modules and optimizers hold now, then remove every hook."""
@@ -138,6 +151,7 @@ class RoleHooks:
         finally:
             self._saved.__exit__()
             _VersionWrapper.__init__ = self._sac_init  # type: ignore[method-assign]
+            torch.nn.Module._apply = self._apply_orig  # type: ignore[method-assign]
             self._forward.remove()
             for handle in [*self._handles, *self._grad_hooks]:
                 handle.remove()
