@@ -845,6 +845,14 @@ def test_a_rank_is_re_run_over_another_world_and_its_worst_rank_measured(
     assert advice.context.block is None
     model = sum(numel(s, s[0]) * F32 for s in shapes())
     assert on_host.at_peak[GRADIENTS] == min(now.at_peak[GRADIENTS], model) > 0
+    # the sample puts the whole model on the card before fully_shard, which makes the first
+    # Linear's shards (rows padded to 3) before that Linear's weights go: offloaded, the card
+    # still holds that once
+    weight, bias = shapes()[:2]
+    loaded = sum(block(numel(s, s[0]) * F32) for s in shapes()) + block(
+        F32 * numel(weight, padded_rows(weight[0], 3))) + block(F32 * padded_rows(bias[0], 3))
+    assert advice.context.parameters_peak == loaded and on_host.floor == loaded
+    assert on_host.allocated >= loaded
     assert "offload_policy=CPUOffloadPolicy()" in offload.snippet
     assert six.change(now).at_step[OPTIMIZER_STATE] == now.at_step[OPTIMIZER_STATE] // 2
     # as many ranks a node as the run had (they divide 6): two nodes

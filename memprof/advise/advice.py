@@ -10,7 +10,7 @@ from memprof.advise.plan import Plan, Ranked, plan, rank
 from memprof.advise.remedies import Context, catalogue
 from memprof.advise.source import Run
 from memprof.analysis.findings import WhatIf
-from memprof.trace.model import ACTIVATIONS, AUTOCAST_HALF, TEMPORARIES
+from memprof.trace.model import ACTIVATIONS, AUTOCAST_HALF, PARAMETERS, TEMPORARIES
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ def advise(run: Run, budget: Budget, gpus: int = 1) -> Advice:
     start = peak_of(run.device)
     ctx = Context(run.model, gpus, int(run.facts.get("world_size") or 1),
                   _expandable_ratio(run, start), run.device.get("leak"), _block_shares(run),
-                  _autocast_share(run))
+                  _autocast_share(run),
+                  int((run.device.get("category_peaks") or {}).get(PARAMETERS, 0)))
     remedies = catalogue(start, ctx)
     later = start.reserved <= budget.bytes < int(run.device["peak"]["reserved_bytes"])
     return Advice(run, budget, start, rank(start, remedies), plan(start, remedies, budget.bytes),

@@ -46,10 +46,13 @@ class Peak:
     # within the activations (a temporary's tag: within the temporaries, TAG_CATEGORY)
     tags_at_peak: dict[str, int] = field(default_factory=dict)
     tags_at_step: dict[str, int] = field(default_factory=dict)
+    # bytes allocated at a third moment a remedy may make the peak (FSDP's CPU offload:
+    # the model the script put on the card whole before FSDP sharded it)
+    floor: int = 0
 
     @property
     def allocated(self) -> int:
-        return max(sum(self.at_peak.values()), sum(self.at_step.values()))
+        return max(sum(self.at_peak.values()), sum(self.at_step.values()), self.floor)
 
     @property
     def reserved(self) -> int:

@@ -42,6 +42,9 @@ class Context:
     # of the activations when they peaked, the share CUDA autocast would keep in bf16
     # (the run's traced operators: the autocast_half tag); None: not traced
     autocast_share: float | None = None
+    # the most parameter bytes the run held on the card at once (the model before FSDP
+    # sharded it, where the script put it there whole first)
+    parameters_peak: int = 0
 
     @property
     def optimizer(self) -> dict[str, Any]:

@@ -76,8 +76,10 @@ def _offload(ctx: Context, strategies: set[str]) -> list[Remedy]:
         " shards and the optimizer state", SEED,
         "the rank's parameter, gradient and optimizer-state shards and the optimizer"
         " step's temporaries stay on the host; the gathered units, and in backward a"
-        " unit's gradient, stay on the card",
-        lambda p: _on_host(p, _unit_bytes(ctx)), _offload_snippet(ctx, strategies),
+        " unit's gradient, stay on the card; so do, once, the parameters the script puts on"
+        f" the card before FSDP shards them (at most {ctx.parameters_peak:,} bytes here)",
+        lambda p: _on_host(p, _unit_bytes(ctx), ctx.parameters_peak),
+        _offload_snippet(ctx, strategies),
         {"offload": True})]
 
 
@@ -193,11 +195,14 @@ def _fsdp_snippet(ctx: Context, strategy: str, units: list[str]) -> str:
             "    device_id=torch.cuda.current_device())  # instead of DistributedDataParallel")
 
 
-def _on_host(p: Peak, unit: int) -> Peak:
+def _on_host(p: Peak, unit: int, loaded: int) -> Peak:
     """``p`` with FSDP's shards and the optimizer's step on the host; in backward the card
-    still holds the gradient of the ``unit`` being reduce-scattered, before it leaves."""
+    still holds the gradient of the ``unit`` being reduce-scattered, before it leaves; and
+    the ``loaded`` parameter bytes the script put on the card before FSDP sharded them
+    are there once still."""
     q = _step_temporaries(p.scaled({PARAMETERS: 0, GRADIENTS: 0, OPTIMIZER_STATE: 0}), 0)
-    return q.added(GRADIENTS, min(p.at_peak[GRADIENTS], unit))
+    return replace(q.added(GRADIENTS, min(p.at_peak[GRADIENTS], unit)),
+                   floor=max(p.floor, loaded))
 
 
 def _step_temporaries(p: Peak, share: float) -> Peak:
