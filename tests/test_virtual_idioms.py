@@ -287,6 +287,12 @@ def test_small_tensors_hold_the_values_that_decide_shapes(gpu: VirtualGpu) -> No
     for _ in range(3):
         counter += 1
     assert counter.item() == 3 and repr(counter) == "tensor(3., device='cuda:0')"
+    # an attention mask moved to the card as a card tensor's device says, cast at once
+    # (transformers' masking_utils): its values follow, and decide a branch
+    hidden = torch.zeros(4, 8, device="cuda")
+    for moved in (mask.to(device=hidden.device, dtype=torch.bool),
+                  mask.to(device="cuda", dtype=torch.bool), mask.to(hidden.device)):
+        assert moved.is_cuda and moved.tolist() == [0, 1, 0, 1, 1] and not bool(moved.all())
 
 
 def test_a_large_tensors_value_is_a_placeholder_named_by_the_line(

@@ -40,9 +40,19 @@ def twins(args: tuple, kwargs: dict[str, Any], virtual: type) -> tuple[tuple, di
     """The operator's arguments with each virtual tensor replaced by its host twin and CUDA
     devices by the CPU; None when a virtual tensor has none."""
     try:
-        return _host(args, virtual), {k: _host(v, virtual) for k, v in kwargs.items()}
+        return _host(args, virtual), {k: _CPU if k == "device" and _on_card(v) else
+                                      _host(v, virtual) for k, v in kwargs.items()}
     except _NoValue:
         return None
+
+
+def _on_card(device: Any) -> bool:
+    """Whether a ``device=`` argument names the card: CUDA, or the meta device a virtual
+    tensor's operator runs on (``.to(device=t.device, dtype=...)`` of a virtual ``t``)."""
+    try:
+        return device is not None and torch.device(device).type in (_CUDA, "meta")
+    except (RuntimeError, TypeError):
+        return False
 
 
 def _host(x: Any, virtual: type) -> Any:
@@ -53,7 +63,7 @@ def _host(x: Any, virtual: type) -> Any:
         return value
     if type(x) is tuple or type(x) is list:
         return type(x)(_host(v, virtual) for v in x)
-    if isinstance(x, torch.device) and x.type == _CUDA:
+    if isinstance(x, torch.device) and x.type in (_CUDA, "meta"):
         return _CPU
     if isinstance(x, torch.Tensor) and x.device.type != "cpu":  # a plain meta tensor
         raise _NoValue
