@@ -81,13 +81,17 @@ def test_what_a_collective_made_is_a_communication_buffer_unless_it_is_model_sta
     # a forward run from inside DDP's forward: its innermost frame is the model's
     forward = _made_by(_alloc(0x4000, 512, 13), ("/u/model.py", "forward"),
                        ("/x/torch/nn/parallel/distributed.py", "forward"))
+    # DDP's _DDPSink cloning the model's outputs (find_unused_parameters): in DDP's file,
+    # but the model's tensors
+    sink = _made_by(_alloc(0x5000, 512, 16), ("/x/torch/nn/parallel/distributed.py",
+                                               "forward"), ("/u/train.py", "main"))
     trace = [gathered, *_free(0x1000, 512, 14), behind_a_decorator, sharded_gradient, forward,
-             *_free(0x4000, 512, 15)]
+             *_free(0x4000, 512, 15), sink, *_free(0x5000, 512, 17)]
     # the gathered parameters saved for backward (as a Linear's weight is) stay gathered
     labels = label_trace(trace, [(10, 0x1000, 512, "activations"),
                                  (12, 0x3000, 512, "gradients")])
     assert labels == [[0, "communication"], [3, "communication"], [4, "gradients"],
-                      [5, "temporaries"]]
+                      [5, "temporaries"], [8, "temporaries"]]
 
 
 def test_a_block_too_small_for_the_storage_is_not_its_block() -> None:

@@ -31,6 +31,9 @@ _COMMUNICATION_FILES = ("/torch/distributed/fsdp/", "/torch/distributed/_composa
                         "/torch/nn/parallel/distributed.py")
 # the flat copy DDP broadcasts the module state in
 _COMMUNICATION_CALLS = {("/torch/distributed/utils.py", "_sync_params_and_buffers")}
+# and not DDP's forward: _DDPSink's clones of the model's outputs (find_unused_parameters,
+# a static graph) are the model's tensors, not a collective's
+_MODEL_CALLS = {("/torch/nn/parallel/distributed.py", "forward")}
 # where FSDP2 gathers: its all-gather and copy-out (``_fsdp_collectives.py``; its
 # reduce-scatter's output is the sharded gradient, a gradient still), and the unsharded
 # parameters' storage (``_fsdp_param.py``), registered on the module while gathered; and
@@ -81,6 +84,8 @@ def communication_call(filename: str, name: str) -> tuple[str, ...] | None:
     path = filename.replace("\\", "/")
     if path.endswith(_WRAPPER_FILES) or name in _COMPREHENSIONS:
         return None
+    if any(path.endswith(f) and name == n for f, n in _MODEL_CALLS):
+        return ()
     if path.endswith(_GATHERING_FILES) or any(
             path.endswith(f) and name == n for f, n in _GATHERING_CALLS):
         return GATHERED_OVERRIDES
