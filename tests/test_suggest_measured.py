@@ -162,3 +162,21 @@ def test_every_measured_micro_batch_is_shown(advice: Advice) -> None:
     table = shown(measured)
     assert "micro-batch 1/8" in table and "micro-batch 1/16" in table  # --verify ran them
     assert "16.00 MiB" in table and "12.00 MiB" in table
+
+
+def test_a_remedy_measured_above_the_run_is_said_to_raise_the_peak(advice: Advice) -> None:
+    """--verify measured one remedy above the run as recorded and one at it: the first
+    raised the peak, the second saved nothing."""
+    from rich.console import Console
+
+    from memprof.advise.render import render
+
+    first, second = (r.remedy for r in advice.ranked[:2])
+    base = _under(advice.budget.bytes) + 4 * PAGE
+    measured = {BASELINE: _peak(base), first.key: _peak(base + PAGE),
+                second.key: _peak(base)}
+    shown = io.StringIO()
+    render(advice, Console(file=shown, width=400), measured)
+    text = shown.getvalue()
+    assert f"The peak rose when memprof applied {first.title}" in text
+    assert f"No measured saving when memprof applied {second.title}" in text

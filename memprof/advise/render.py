@@ -104,10 +104,16 @@ def _measured_note(advice: Advice, measured: Measured) -> Text:
                  f" (estimated {fb(advice.plan.final(advice.start).reserved)})")
         if isinstance(plan, Peak) and isinstance(base, Peak):
             text += f", saving {fb(base.reserved - plan.reserved)}"
-    idle = [titles[key] for key in idle_remedies(measured) if key in titles]
-    if idle:
-        left = " (left out of the plan)" if advice.excluded else ""
-        text += (f". No measured saving when memprof applied {', '.join(idle)}{left}: the"
+    idle = [key for key in idle_remedies(measured) if key in titles]
+    left = " (left out of the plan)" if advice.excluded else ""
+    worse = [key for key in idle if isinstance(base, Peak)
+             and measured[key].reserved > base.reserved]  # type: ignore[union-attr]
+    if worse:
+        text += (f". The peak rose when memprof applied {', '.join(titles[k] for k in worse)}"
+                 f"{left}: what it adds at the peak outweighs what it saves there")
+    same = [titles[key] for key in idle if key not in worse]
+    if same:
+        text += (f". No measured saving when memprof applied {', '.join(same)}{left}: the"
                  " script may already do it or undo it, or what it frees stays in the"
                  " allocator's cache")
     for key, failure in failed.items():
