@@ -56,8 +56,8 @@ def _remedies(loop: str | None) -> dict[str, str]:
     ("fabric", "fabric.no_backward_sync(model, enabled=accumulating)",
      'fabric = L.Fabric(..., precision="bf16-mixed")',
      'fabric = L.Fabric(..., precision="bf16-true")'),
-    ("accelerate", "Accelerator(gradient_accumulation_steps=4)",
-     'Accelerator(mixed_precision="bf16")', "model.to(torch.bfloat16)"),
+    ("accelerate", "Accelerator(..., gradient_accumulation_steps=4)",
+     'Accelerator(..., mixed_precision="bf16")', "model.to(torch.bfloat16)"),
     ("transformers", "gradient_accumulation_steps=4", "bf16=True", "model.to(torch.bfloat16)"),
     (None, "% 4 == 0", 'torch.autocast("cuda"', "model.to(torch.bfloat16)"),
 ])

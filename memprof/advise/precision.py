@@ -109,7 +109,7 @@ def precision_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
         "TrainingArguments(..., bf16=True)  # the Trainer's forward under bf16 autocast"
         if ctx.trainer else
         f'{ctx.lightning[0]}..., precision="bf16-mixed")' if ctx.lightning else
-        'accelerator = Accelerator(mixed_precision="bf16")  # prepare() wraps the forward'
+        'accelerator = Accelerator(..., mixed_precision="bf16")  # prepare() wraps the forward'
         if ctx.loop == "accelerate" else
         'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
         "    loss = compute_loss(model, batch)  # the forward pass and the loss only\n"

@@ -64,8 +64,8 @@ def _micro_batches(ctx: Context) -> list[Remedy]:
                     "        optimizer.step()\n"
                     "        optimizer.zero_grad(set_to_none=True)")
         if ctx.loop == "accelerate":
-            return (f"accelerator = Accelerator(gradient_accumulation_steps={steps})  # batches"
-                    f" 1/{k} as large\n"
+            return (f"accelerator = Accelerator(..., gradient_accumulation_steps={steps})"
+                    f"  # batches 1/{k} as large\n"
                     "for batch in loader:\n"
                     "    with accelerator.accumulate(model):\n"
                     "        accelerator.backward(compute_loss(model, batch))\n"
@@ -147,7 +147,7 @@ def _offload_snippet(ctx: Context) -> str:
         return f'{ctx.lightning[0]}..., strategy="deepspeed_stage_2_offload")'
     if ctx.loop == "accelerate":
         return ("from accelerate import Accelerator, DeepSpeedPlugin\n\n"
-                "accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(\n"
+                "accelerator = Accelerator(..., deepspeed_plugin=DeepSpeedPlugin(\n"
                 '    zero_stage=2, offload_optimizer_device="cpu"))')
     return ('ds_config = {"zero_optimization": {"stage": 2,\n'
             '                                   "offload_optimizer": {"device": "cpu"}}}\n'

@@ -161,7 +161,7 @@ def _bucket_view_snippet(ctx: Context) -> str:
     """DDP's gradients as views of its buckets, in the terms of the loop's library."""
     if ctx.loop == "accelerate":
         return ("from accelerate import Accelerator, DistributedDataParallelKwargs\n\n"
-                "accelerator = Accelerator(kwargs_handlers=[\n"
+                "accelerator = Accelerator(..., kwargs_handlers=[\n"
                 "    DistributedDataParallelKwargs(gradient_as_bucket_view=True)])")
     if ctx.lightning:
         call, strategies = ctx.lightning
@@ -180,7 +180,7 @@ def _fsdp_snippet(ctx: Context, strategy: str, units: list[str]) -> str:
         wrap = (f'auto_wrap_policy="transformer_based_wrap",\n    transformer_cls_names_to_wrap='
                 f"{units}, " if units else "")
         return ("from accelerate import Accelerator, FullyShardedDataParallelPlugin\n\n"
-                "accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(\n"
+                "accelerator = Accelerator(..., fsdp_plugin=FullyShardedDataParallelPlugin(\n"
                 f'    {wrap}sharding_strategy="{strategy}"))')
     if ctx.lightning:
         call, strategies = ctx.lightning
@@ -216,7 +216,7 @@ def _offload_snippet(ctx: Context, strategies: set[str]) -> str:
     if ctx.loop == "transformers":
         return 'TrainingArguments(..., fsdp="full_shard offload auto_wrap")'
     if ctx.loop == "accelerate":
-        return ("accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(\n"
+        return ("accelerator = Accelerator(..., fsdp_plugin=FullyShardedDataParallelPlugin(\n"
                 "    ..., cpu_offload=True))")
     if ctx.lightning:
         return f"{ctx.lightning[0]}..., strategy=FSDPStrategy(..., cpu_offload=True))"
