@@ -27,7 +27,6 @@ class Advice:
     # the estimated plan, where --verify measured it over the budget and made the plan again
     # from the measured peaks (one remedy measured to fit alone)
     discarded: Plan | None = None
-
     # the run's trace replayed with the budget as the device's memory, where the run
     # reserved more than the budget only after its allocation peak (its cache grew)
     under_budget: WhatIf | None = None

@@ -14,6 +14,7 @@ estimates.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from memprof.advise.peak import Peak
@@ -130,9 +131,7 @@ def _logits_to_keep(peak: Peak, ctx: Context) -> list[Remedy]:
     shape, computed = facts.get("shape") or [], facts.get("logits_rows")
     if not shape or not computed:
         return []
-    classes, used = shape[-1], 1
-    for n in shape[:-1]:
-        used *= n
+    classes, used = shape[-1], math.prod(shape[:-1])
     unread = (computed - used) * classes * _ITEMSIZE.get(facts["dtype"], 4)
     if unread < LOSS_SHARE * peak.allocated:
         return []

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from memprof.collect.tensors import storages_behind
+
 _aten = torch.ops.aten
 
 
@@ -49,8 +51,6 @@ def logits_rows(logits: object, out: torch.Tensor) -> int:
     """The rows of vocabulary-wide logits that ``logits`` (a loss's input, whose output
     ``out`` has its rows) is part of: its storage's rows where it is a slice of logits
     computed whole (``logits[:, -1]``), else ``out``'s own."""
-    from memprof.collect.tensors import storages_behind
-
     rows = out.numel() // max(1, out.size(-1))
     if not isinstance(logits, torch.Tensor) or logits.shape[-1:] != out.shape[-1:]:
         return rows

@@ -12,7 +12,8 @@ suggest --verify`` (``MEMPROF_APPLY``, read by ``apply.py``):
   offload_policy=CPUOffloadPolicy())`` and ``FullyShardedDataParallel(...,
   cpu_offload=CPUOffload(offload_params=True))``;
 - ``{"flat_mesh": true}``: FSDP2 shards over every rank of an HSDP mesh it is given
-  (``fully_shard(..., mesh=<2-D (replicas, shards)>)``): one dimension of them all.
+  (``fully_shard(..., mesh=<2-D (replicas, shards)>)``): one dimension of them all; FSDP1's
+  HYBRID_SHARD is FULL_SHARD over the default group.
 
 An optimizer made before the wrapper works as well: with ``use_orig_params`` FSDP keeps the
 parameter objects, their data its shard.

@@ -63,7 +63,7 @@ def _host(x: Any, virtual: type) -> Any:
         return value
     if type(x) is tuple or type(x) is list:
         return type(x)(_host(v, virtual) for v in x)
-    if isinstance(x, torch.device) and x.type in (_CUDA, "meta"):
+    if isinstance(x, torch.device) and _on_card(x):
         return _CPU
     if isinstance(x, torch.Tensor) and x.device.type != "cpu":  # a plain meta tensor
         raise _NoValue
