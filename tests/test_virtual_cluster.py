@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from memprof.collect.virtual.cards import parse_spec
 from memprof.collect.virtual.gpu import VirtualGpu
+from memprof.report.units import format_bytes
 
 # torch 2.13 deprecates all_gather_into_tensor & co. for *_single, which older ones lack
 pytestmark = [pytest.mark.filterwarnings("ignore:.*is deprecated:FutureWarning"),
@@ -670,6 +671,18 @@ def test_every_fsdp2_rank_holds_its_shard_and_the_answer_comes_first(
          report(out / f"rank-{r}")["devices"][0]["peak"]["reserved_bytes"])
         for r in range(world)]
     assert "were not run" not in result.stderr  # every rank ran
+    # what filled the cards, by category: ranks 0 and 1 hold the same bytes, rank 2 the
+    # remainder's fewer moments
+    moments = [2 * sum(block(F32 * n) for s in shapes() if (n := numel(s, own_rows(
+        s[0], world, r)))) for r in range(world)]  # in the allocator's blocks
+    assert moments[0] == moments[1] > moments[2]
+    table = lines[lines.index("What was allocated at each rank's peak") + 1:]
+    assert table[0].split() == ["ranks", "0-1", "rank", "2"]
+    state = next(line for line in table if line.lstrip().startswith("optimizer state"))
+    assert state.split()[2:] == [*format_bytes(moments[0]).split(),
+                                 *format_bytes(moments[2]).split()]
+    assert [r["categories"] for r in summary["ranks"]] == [
+        report(out / f"rank-{r}")["devices"][0]["categories"] for r in range(world)]
     # what it cannot see, it says: on the console and in the file
     assert summary["not_counted"][0].startswith("NCCL's own buffers")
     assert "NCCL's own buffers and each communicator's memory are outside" in result.stderr

@@ -17,7 +17,7 @@ from rich.console import Console
 from memprof.collect.launch.ranks import Ranks, parse_ranks, representatives, run_ranks
 from memprof.collect.virtual.cards import Card, card_args
 from memprof.errors import MemprofError
-from memprof.report.cluster import cluster_summary, read_cluster, render_cluster
+from memprof.report.cluster import cluster_summary, ranges, read_cluster, render_cluster
 from memprof.report.json import write_json
 from memprof.report.run_folder import FILE_NAMES, claim, rank_folder, run_folder, unclaim
 from memprof.report.text import plain
@@ -113,17 +113,6 @@ def _available() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 1 << 62
-
-
-def ranges(ranks: tuple[int, ...]) -> str:
-    """``0-3, 7, 63`` for ranks 0, 1, 2, 3, 7 and 63 (sorted)."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
 def _exit_code(code: int) -> int:

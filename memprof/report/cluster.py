@@ -12,7 +12,7 @@ one whose card holds the most. A rank that ran out of memory answers instead: th
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from memprof.report.console import CATEGORY_NAMES
 from memprof.report.run_folder import FILE_NAMES, rank_folder, rank_of
 from memprof.report.text import visible
 from memprof.report.units import format_bytes as fb
+from memprof.trace.model import CATEGORIES
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class RankPeak:
     out_of_memory: bool = False
     card: str = ""  # the card it ran on, as its report names it
     parallelism: dict[str, Any] | None = None  # its run.model.parallelism
+    # what was allocated at its peak, by category (its device with the highest peak)
+    categories: dict[str, int] = field(default_factory=dict)
 
     @property
     def on_card(self) -> int:
@@ -100,14 +104,15 @@ def _peak(rank: int, path: Path) -> RankPeak:
         data = json.loads(path.read_bytes())
         run, devices = data.get("run") or {}, data.get("devices") or []
         gpu = run.get("virtual_gpu") or {}
-        return RankPeak(rank, path, max((int(d["peak"]["allocated_bytes"]) for d in devices),
-                                     default=0),
+        top = max(devices, key=lambda d: int(d["peak"]["allocated_bytes"]), default={})
+        return RankPeak(rank, path, int(top["peak"]["allocated_bytes"]) if top else 0,
                      max((int(d["peak"]["reserved_bytes"]) for d in devices), default=0),
                      int(gpu.get("context_bytes", 0)), int(gpu.get("total_bytes", 0)),
                      int(run.get("optimizer_steps") or 0), run.get("exit"),
                      any(d.get("oom") for d in devices),
                      str(gpu.get("spec") or run.get("device") or ""),
-                     (run.get("model") or {}).get("parallelism"))
+                     (run.get("model") or {}).get("parallelism"),
+                     {str(k): int(v) for k, v in (top.get("categories") or {}).items()})
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return RankPeak(rank, None)
 
@@ -141,6 +146,7 @@ def cluster_summary(cluster: Cluster, nodes: int, per_node: int) -> dict[str, An
             "on_card_bytes": r.on_card if r.report is not None else None,
             "total_bytes": r.total or None, "optimizer_steps": r.steps,
             "out_of_memory": r.out_of_memory,
+            "categories": r.categories if r.report is not None else None,
             "ended": (r.exit or {}).get("status") if r.report is not None else None}
             for r in cluster.ranks]}
 
@@ -196,6 +202,44 @@ def _verdict(cluster: Cluster, cut_short: bool = False) -> str:
     return f"{verdict}: worst rank {fb(worst.on_card)} of {fb(worst.total)} (rank {worst.rank})"
 
 
+def ranges(ranks: tuple[int, ...]) -> str:
+    """``0-3, 7, 63`` for ranks 0, 1, 2, 3, 7 and 63 (sorted)."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+COMPOSITIONS = 4  # columns of the table of what filled the cards: the worst rank's first
+
+
+def _compositions(cluster: Cluster) -> Table | None:
+    """What was allocated at each rank's peak, by category: a column per composition
+    (ranks that hold the same bytes share one), the worst rank's first; None for one rank."""
+    worst = cluster.worst()
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in cluster.written:
+        groups.setdefault(tuple(r.categories.get(k, 0) for k in CATEGORIES), []).append(r.rank)
+    if worst is None or len(cluster.written) < 2:
+        return None
+    order = sorted(groups.items(), key=lambda g: (worst.rank not in g[1], g[1][0]))
+    t = Table(box=None, header_style="bold", title_justify="left", title_style="bold",
+              title="What was allocated at each rank's peak")
+    t.add_column("")
+    for _, ranks in order[:COMPOSITIONS]:
+        t.add_column(f"rank{'s' * (len(ranks) > 1)} {ranges(tuple(ranks))}", justify="right")
+    for i, category in enumerate(CATEGORIES):
+        if any(held[i] for held, _ in order[:COMPOSITIONS]):
+            t.add_row(CATEGORY_NAMES[category], *(fb(held[i]) for held, _ in order[:COMPOSITIONS]))
+    if len(order) > COMPOSITIONS:
+        t.caption = (f"{len(order) - COMPOSITIONS} more compositions: each rank's report"
+                     " (rank-K/) has its own")
+    return t
+
+
 def render_cluster(cluster: Cluster, console: Console) -> None:
     """The answer, then a row per rank and how uneven they are."""
     console.print(Text(visible(answer(cluster)), "bold"))
@@ -212,6 +256,9 @@ def render_cluster(cluster: Cluster, console: Console) -> None:
         t.add_row(str(r.rank), fb(r.allocated), fb(r.reserved), fb(r.on_card),
                   fb(r.total - r.on_card) if r.total else "", ended)
     console.print(t)
+    composition = _compositions(cluster)
+    if composition is not None:
+        console.print(composition)
     written = cluster.written
     if len(written) > 1:
         high = max(written, key=lambda r: (r.reserved, -r.rank))
