@@ -115,6 +115,25 @@ def test_a_budget_already_met_says_so(runs: Path):
     assert "Already within the budget" in result.stdout
 
 
+def test_a_run_that_raised_is_advised_as_a_lower_bound(runs: Path, tmp_path: Path):
+    """A run that failed before its end (not out of memory) held what ran until then: its
+    peak is no need, even within a budget, and the advice says so and exits 1."""
+    data = json.loads((runs / "mlp" / "report.json").read_text())
+    data["run"]["exit"] = {"status": "raised", "code": 1,
+                           "error": "PipeliningMetadataError: Stage 0: no shapes.\nmore"}
+    data["run"]["optimizer_steps"] = 0
+    (tmp_path / "report.json").write_text(json.dumps(data))
+    result = suggest(tmp_path, "report.json", "--budget", "H100")
+    assert result.code == 1, result.stderr
+    assert ("The run raised PipeliningMetadataError: Stage 0: no shapes after 0 optimizer"
+            " steps, so its peak is a lower bound") in " ".join(result.stdout.split())
+    assert "Within the budget up to where it failed" in result.stdout
+    source = json.loads(suggest(tmp_path, "report.json", "--budget", "H100", "--json").stdout)
+    assert source["source"]["lower_bound"] and source["source"]["out_of_memory"] is None
+    assert source["source"]["failed"].startswith("The run raised PipeliningMetadataError")
+    assert not source["suggest"]["fits_now"]
+
+
 CACHE_GROWS = Path(__file__).parent / "scripts" / "cache_grows.py"
 MIB = 2**20
 

@@ -86,6 +86,93 @@ def test_a_plan_measured_over_the_budget_is_made_again_from_the_measured_peaks(
     assert kept is advice and not plan_fits(kept, none_fit)
 
 
+class Measuring:
+    """A ``Rerun`` whose re-runs measure given peaks, by the remedies applied (``alloc``:
+    allocator settings), and which counts them."""
+
+    alloc_conf, on_cpu, args = "", False, []
+
+    def __init__(self, peaks: dict[tuple[str, ...], Peak]) -> None:
+        self.peaks, self.runs = peaks, []
+
+    def peak(self, args=None, apply=None, conf=None, world=None) -> Peak:
+        key = tuple(sorted(apply or {})) + (("alloc",) if conf else ())
+        self.runs.append(key)
+        return self.peaks[key]
+
+
+def _over(peak: Peak, budget: int) -> Peak:
+    """``peak`` with bytes the estimate missed: 8 MiB allocated over ``budget``."""
+    from dataclasses import replace
+
+    extra = budget - peak.reserved + (8 << 20)
+    more = {"other": peak.at_peak["other"] + extra}
+    over = replace(peak, at_peak={**peak.at_peak, **more},
+                   at_step={**peak.at_step, "other": peak.at_step["other"] + extra})
+    assert over.reserved > budget
+    return over
+
+
+@pytest.mark.parametrize("together_fits", [True, False])
+def test_a_plan_measured_over_the_budget_gets_more_remedies_estimated_from_its_peak(
+        advice: Advice, together_fits: bool) -> None:
+    """The estimated plan (autocast) measured over the budget, no remedy measured to fit
+    alone: the plan made again from its measured peak adds the cheapest remedy of another
+    group that fits (expandable segments), and that plan is measured in turn; it fits only
+    when that measurement does."""
+    from rich.console import Console
+
+    from memprof.advise.render import as_json, render
+    from memprof.advise.verify import DISCARDED, verify
+
+    budget, start = advice.budget.bytes, advice.start
+    assert [s.remedy.key for s in advice.plan.steps] == ["autocast"]
+    over = _over(advice.plan.final(start), budget)
+    below = _peak(_under(start.reserved) - PAGE)  # saves, but not enough alone
+    together = _peak(_under(budget) if together_fits else _under(budget) + PAGE)
+    rerun = Measuring({(): start, ("autocast",): over, ("alloc",): below,
+                       ("autocast", "alloc"): together})
+    again, measured = verify(advice, rerun, None, lambda _: None)  # type: ignore[arg-type]
+    assert rerun.runs == [(), ("autocast",), ("alloc",), ("autocast",), ("autocast", "alloc")]
+    steps = again.plan.steps
+    assert [s.remedy.key for s in steps] == ["autocast", "expandable_segments"]
+    # the step added is estimated from the measured plan, not from the estimate
+    assert steps[0].peak == over  # the plan's steps as measured together
+    assert steps[1].peak == steps[1].remedy.change(over) and steps[1].peak.reserved <= budget
+    assert again.discarded == advice.plan and measured[DISCARDED] == over
+    assert measured[PLAN] == together and plan_fits(again, measured) is together_fits
+    shown = io.StringIO()
+    render(again, Console(file=shown, width=300), measured)
+    assert ("Plan, made again from the measured peaks: 2 step(s) to fit" if together_fits
+            else "does not: the estimated plan, ") in shown.getvalue()
+    plan = as_json(again, measured)["suggest"]["plan"]
+    assert plan["fits"] is together_fits and plan["discarded"]["steps"] == ["autocast"]
+
+
+def test_more_remedies_memprof_cannot_apply_are_estimated_from_the_measured_plan(
+        advice: Advice) -> None:
+    """The plan measured far over the budget: the remedy added is a micro-batch, which
+    ``--verify`` applies only with ``--batch-arg``; the plan is estimated from the measured
+    peak, and says so."""
+    from rich.console import Console
+
+    from memprof.advise.render import render
+    from memprof.advise.verify import DISCARDED, verify
+
+    budget, start = advice.budget.bytes, advice.start
+    over = _over(advice.plan.final(start), budget + (start.reserved - budget) // 4)
+    rerun = Measuring({(): start, ("autocast",): over, ("alloc",): over})
+    again, measured = verify(advice, rerun, None, lambda _: None)  # type: ignore[arg-type]
+    assert rerun.runs == [(), ("autocast",), ("alloc",), ("autocast",)]  # nothing more to run
+    added = again.plan.steps[1:]
+    assert [s.remedy.group for s in added] == ["batch"] and PLAN not in measured
+    assert measured[DISCARDED] == over and added[-1].peak.reserved <= budget
+    assert plan_fits(again, measured)  # by the estimate, as any plan not measured
+    shown = io.StringIO()
+    render(again, Console(file=shown, width=300), measured)
+    assert "estimated from that measurement" in shown.getvalue()
+
+
 def test_a_batch_flag_left_at_its_default_is_read_from_the_scripts_parser(tmp_path) -> None:
     """``--batch-arg batch`` on a run whose command left ``--batch`` to argparse: its default,
     read from the source (the script is not run to read it)."""

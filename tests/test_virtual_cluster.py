@@ -550,6 +550,34 @@ def objects_some_ranks(where: Path) -> Any:
                        "objects.py")
 
 
+PIPELINE = """\
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+torch.cuda.set_device(device)
+D, ROWS, M = 256, 4096, 4  # features, rows a step, microbatches
+sizes = [(D, D), (D, D)] if rank == 0 else [(D, D), (D, 10)]
+stage_model = torch.nn.Sequential(*(torch.nn.Linear(*s) for s in sizes)).to(device)
+stage = PipelineStage(stage_model, rank, world, device)  # the stages send their shapes
+schedule = ScheduleGPipe(stage, M, loss_fn=torch.nn.functional.cross_entropy)
+optimizer = torch.optim.AdamW(stage_model.parameters())
+for step in range(2):
+    x, y = torch.randn(ROWS, D, device=device), torch.randint(10, (ROWS,), device=device)
+    losses = []
+    schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
+    optimizer.step()
+    optimizer.zero_grad()
+sys.stdout.write(f"rank {rank}: {len(losses)} losses\\n")
+"""
+
+
+@jobs
+def pipeline_stages(where: Path) -> tuple[Any, Path]:
+    return two_ranks_of(where, PIPELINE)
+
+
 ENDS_IN_FORWARD = """\
 import torch, torch.distributed as dist, fsdp2
 from common import build_mlp
@@ -687,6 +715,71 @@ def test_every_fsdp2_rank_holds_its_shard_and_the_answer_comes_first(
     assert summary["not_counted"][0].startswith("NCCL's own buffers")
     assert "NCCL's own buffers and each communicator's memory are outside" in result.stderr
     assert worst > 0 and lines[-1] == f"Next: memprof explain {out}"
+
+
+def test_pipeline_stages_send_each_other_their_shapes_and_hold_their_own_layers(
+        runs: dict[str, Future[Any]]) -> None:
+    """``torch.distributed.pipelining`` as its documentation teaches it: a stage per rank,
+    shapes inferred by sending them (``send_object_list``), a schedule that votes with
+    small tensors; each rank holds its own layers' state, and a receive buffer per
+    microbatch: activations from the stage before, gradients from the stage after."""
+    result, out = runs["pipeline_stages"].result()
+    assert result.code == 0, result.stderr[-3000:]
+    d, rows, microbatches = 256, 4096, 4
+    assert "rank 0: 0 losses" in result.stdout
+    assert f"rank 1: {microbatches} losses" in result.stdout  # the last stage's, each one
+    for rank, sizes in enumerate([[(d, d), (d, d)], [(d, d), (d, 10)]]):
+        params = sum(i * o + o for i, o in sizes)
+        data = report(out / f"rank-{rank}")
+        held = data["devices"][0]["categories_requested"]
+        assert (held["parameters"], held["optimizer_state"]) == (F32 * params, 2 * F32 * params)
+        # the peak is in backward: every gradient at the end of it, in the allocator's blocks
+        assert data["devices"][0]["category_peaks"]["gradients"] == sum(
+            block(F32 * i * o) + block(F32 * o) for i, o in sizes)
+        assert held["communication"] == microbatches * F32 * (rows // microbatches) * d
+        assert data["run"]["model"]["parallelism"] == {
+            "strategies": ["pipeline"], "meshes": [], "pipeline": {
+                "schedule": "ScheduleGPipe", "microbatches": microbatches, "stages": 2,
+                "stage": rank}}
+    assert "large tensors hold no values" not in result.stderr  # the vote's were sent
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_gpipe_stage_is_offered_1f1b_for_the_microbatches_still_in_flight(
+        runs: dict[str, Future[Any]], rank: int) -> None:
+    """1F1B holds the activations of one microbatch per stage from this one to the last,
+    where GPipe holds all four; no micro-batches (the schedule's are its own); a re-run
+    starts every stage, as they wait for each other's shapes."""
+    from memprof.advise.advice import advise
+    from memprof.advise.budget import parse_budget
+    from memprof.advise.peak import peak_of
+    from memprof.advise.rerun import Rerun
+    from memprof.advise.source import load_run
+
+    _, out = runs["pipeline_stages"].result()
+    run = load_run(out / f"rank-{rank}")
+    start = peak_of(run.device)
+    advice = advise(run, parse_budget(str(start.reserved // 2)))
+    keys = [r.remedy.key for r in advice.ranked]
+    assert not [k for k in keys if k.startswith("micro_batch")]
+    one_f_one_b = next(r.remedy for r in advice.ranked if r.remedy.key == "schedule_1f1b")
+    in_flight = 2 - rank  # of the 4 microbatches
+    assert one_f_one_b.change(start).at_peak == {
+        **start.at_peak, "activations": int(start.at_peak["activations"] * in_flight / 4)}
+    assert one_f_one_b.verify == {"schedule": "Schedule1F1B"}
+    options = Rerun.of(run).rank.options(["--virtual-gpu", "H100"])  # type: ignore[union-attr]
+    assert options == ["--nnodes", "1", "--nproc-per-node", "2"]  # no --ranks: all of them
+
+
+def test_the_1f1b_remedy_gives_a_script_1f1b_where_it_asks_for_gpipe() -> None:
+    from memprof.collect.launch.apply import applied
+
+    with applied({"schedule": "Schedule1F1B"}):
+        from torch.distributed.pipelining import ScheduleGPipe
+        from torch.distributed.pipelining.schedules import get_schedule_class
+        assert ScheduleGPipe.__name__ == get_schedule_class("GPipe").__name__ == "Schedule1F1B"
+    from torch.distributed.pipelining import ScheduleGPipe
+    assert ScheduleGPipe.__name__ == "ScheduleGPipe"
 
 
 def test_some_ranks_of_a_world_of_eight_run_alone_with_their_own_shards(

@@ -14,6 +14,7 @@ from dataclasses import replace
 from memprof.advise.checkpointing import checkpoint_remedies
 from memprof.advise.forward_remedies import forward_remedies
 from memprof.advise.peak import Peak
+from memprof.advise.pipeline import pipeline_remedies
 from memprof.advise.precision import precision_remedies
 from memprof.advise.remedy import SEEDS, Context, Remedy
 from memprof.advise.sharding import sharding_remedies
@@ -37,9 +38,10 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 def catalogue(peak: Peak, ctx: Context) -> list[Remedy]:
     """The remedies that apply to this run."""
     found = precision_remedies(peak, ctx) + checkpoint_remedies(peak, ctx)
-    if peak.busy:
+    if peak.busy and not ctx.pipeline:  # a schedule's microbatches are not the script's
         found += _micro_batches(ctx)
     found += _optimizer_state(peak, ctx) + sharding_remedies(peak, ctx)
+    found += pipeline_remedies(peak, ctx)
     found += _model_state(peak, ctx)
     found += _allocator(peak, ctx) + _hygiene(peak, ctx)
     return found + forward_remedies(peak, ctx)

@@ -15,6 +15,7 @@ SEEDS = {
     "003": "seed 003 (out-of-memory causes and fixes: precision, accumulation, checkpointing,"
            " 8-bit optimizers, offload)",
     "004": "seed 004 (large-model training: mixed precision, INT8, checkpointing, ZeRO)",
+    "001_pipeline": "seed 001 (model and pipeline parallelism: the model split over devices)",
     "003_attention": "seed 003 (out-of-memory causes: self-attention memory grows with the"
                      " square of the sequence length)",
     "003_stages": "seed 003 (memory grows in stages: the graph in forward, gradients in"
@@ -63,6 +64,11 @@ class Context:
         """The backward passes the run already accumulates per optimizer step (1: none)."""
         steps = self.model.get("accumulation")
         return steps if isinstance(steps, int) and steps > 1 else 1
+
+    @property
+    def pipeline(self) -> dict[str, Any] | None:
+        """The pipeline schedule that ran the model (``parallelism.pipeline``), or None."""
+        return (self.model.get("parallelism") or {}).get("pipeline")
 
     @property
     def block(self) -> dict[str, Any] | None:

@@ -26,8 +26,9 @@ def render(advice: Advice, console: Console, measured: Measured | None = None,
     start, budget = advice.start, advice.budget
     console.print(Text.assemble(("memprof suggest ", "bold"), visible(advice.run.path)))
     console.print(plain(f"Budget: {budget.read_as}"))
-    if advice.run.out_of_memory:
-        console.print(Text(visible(advice.run.out_of_memory), "bold"))
+    for caveat in (advice.run.out_of_memory, advice.run.failed):
+        if caveat:
+            console.print(Text(visible(caveat), "bold"))
     where = "predicted for " + advice.run.facts["virtual_gpu"]["spec"] \
         if advice.run.facts.get("virtual_gpu") else advice.run.facts.get("device", "recorded")
     console.print(plain(f"Peak now: {fb(start.reserved)} reserved ({fb(start.allocated)}"
@@ -37,8 +38,9 @@ def render(advice: Advice, console: Console, measured: Measured | None = None,
                       " savings are rougher.")
     gap = start.reserved - budget.bytes
     if gap <= 0 and advice.run.lower_bound:
-        console.print(Text("Within the budget up to where it ran out of memory; what it needs"
-                           " after is unknown.", "bold red"))
+        ended = "ran out of memory" if advice.run.out_of_memory else "failed"
+        console.print(Text(f"Within the budget up to where it {ended}; what it needs after is"
+                           " unknown.", "bold red"))
     elif gap <= 0 and advice.reserved_most > budget.bytes:
         console.print(_cache_grew(advice))
     elif gap <= 0:
@@ -154,15 +156,28 @@ def _measured_as(peak: Peak | Failed | None) -> str:
         "out of memory when measured" if peak is None else "failed when measured"
 
 
+def _made_again(advice: Advice, measured: Measured) -> Text:
+    """The head of a plan made again from the measured peaks (``verify._replanned``, or
+    ``verify._extended``: more remedies, measured in turn where memprof applies them)."""
+    gone = " + ".join(s.remedy.title for s in advice.discarded.steps)  # type: ignore[union-attr]
+    was = f"the estimated plan, {gone}, was {_measured_as(measured.get(DISCARDED))}"
+    budget, steps = fb(advice.budget.bytes), len(advice.plan.steps)
+    if PLAN not in measured:
+        final = advice.plan.final(advice.start)
+        return Text(f"Plan, made again from the measured peaks: {steps} step(s) to fit {budget},"
+                    f" estimated at {fb(final.reserved)} ({was}; memprof cannot apply the steps"
+                    " added itself, so they are estimated from that measurement)", "bold")
+    if plan_fits(advice, measured):
+        return Text(f"Plan, made again from the measured peaks: {steps} step(s) to fit {budget},"
+                    f" measured at {fb(measured[PLAN].reserved)} ({was})", "bold")  # type: ignore[union-attr]
+    return Text(f"The plan was estimated to fit {budget} but does not: {was}, and with more"
+                f" remedies {_measured_as(measured[PLAN])}. The plan:", "bold red")
+
+
 def _plan(advice: Advice, measured: Measured) -> Group:
     plan, parts = advice.plan, []
     if advice.discarded is not None:
-        gone = " + ".join(s.remedy.title for s in advice.discarded.steps)
-        parts.append(Text(
-            f"Plan, made again from the measured peaks: {len(plan.steps)} step(s) to fit"
-            f" {fb(advice.budget.bytes)}, measured at {fb(measured[PLAN].reserved)}"  # type: ignore[union-attr]
-            f" (the estimated plan, {gone}, was {_measured_as(measured.get(DISCARDED))})",
-            "bold"))
+        parts.append(_made_again(advice, measured))
     elif plan_fits(advice, measured):
         parts.append(Text(f"Plan: {len(plan.steps)} step(s) to fit {fb(advice.budget.bytes)}",
                           "bold"))
@@ -207,7 +222,8 @@ def as_json(advice: Advice, measured: Measured | None = None,
         "source": {"path": str(advice.run.path), "categories_inferred": advice.run.inferred,
                    # a run that ran out of memory: advised from its re-run, or a lower bound
                    "out_of_memory": advice.run.out_of_memory,
-                   "lower_bound": advice.run.lower_bound},
+                   # a run that raised otherwise: its peak, a lower bound
+                   "failed": advice.run.failed, "lower_bound": advice.run.lower_bound},
         "units": "bytes",
         "suggest": {
             "budget": {"bytes": advice.budget.bytes, "read_as": advice.budget.read_as},

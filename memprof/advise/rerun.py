@@ -142,12 +142,15 @@ class Rank:
     rank: int
     nodes: int
     per_node: int
+    # every rank must run: a pipeline's stages wait for each other's shapes and values
+    whole: bool = False
 
     def options(self, where: list[str], world: int | None = None) -> list[str]:
         """The ``memprof run`` options that launch the world again: on virtual cards this
-        rank alone (``--ranks``), on GPUs every rank. A world of another size (``world``)
-        keeps the ranks per node where they divide it (else one node) and runs its first
-        and last ranks and this one's index, where it still is one."""
+        rank alone (``--ranks``; every rank where ``whole``), on GPUs every rank. A world of
+        another size (``world``) keeps the ranks per node where they divide it (else one
+        node) and runs its first and last ranks and this one's index, where it still is
+        one."""
         virtual = where[0] == "--virtual-gpu"
         nodes, per_node, ranks = self.nodes, self.per_node, str(self.rank)
         if world is not None and world != nodes * per_node:
@@ -158,7 +161,7 @@ class Rank:
                 else (1, world)
             ranks = ",".join(map(str, sorted({0, min(self.rank, world - 1), world - 1})))
         return ["--nnodes", str(nodes), "--nproc-per-node", str(per_node),
-                *(["--ranks", ranks] if virtual else [])]
+                *(["--ranks", ranks] if virtual and not self.whole else [])]
 
 
 MAX_GPU_RANKS = 64  # a GPU re-run starts every rank on this machine
@@ -192,7 +195,8 @@ def _rank(run: Run, where: list[str]) -> Rank | None:
                            " node; re-run it on virtual cards (memprof run --virtual-gpu)")
     if not 0 <= rank < world:
         raise MemprofError(f"{run.path}: run.rank {rank} is not a rank of its world of {world}")
-    return Rank(rank, nodes, per_node)
+    parallelism = (run.facts.get("model") or {}).get("parallelism") or {}
+    return Rank(rank, nodes, per_node, bool(parallelism.get("pipeline")))
 
 
 def _steps_to_peak(run: Run) -> int | None:

@@ -21,7 +21,10 @@ class Run:
     inferred: bool  # categories inferred from stacks (a plain snapshot), not recorded
     # the run ran out of memory: how the advice stands to it (None when it did not)
     out_of_memory: str | None = None
-    lower_bound: bool = False  # an out-of-memory run's own peak: what it needs is unknown
+    # the peak is of what ran before the run ran out of memory or failed: what it needs is
+    # unknown
+    lower_bound: bool = False
+    failed: str | None = None  # the run raised otherwise: how the advice stands to it
 
     @property
     def facts(self) -> dict[str, Any]:
@@ -60,7 +63,18 @@ def load_run(source: Path) -> Run:
     folder = report.path.parent
     if any(d.get("oom") for d in report.data["devices"]):
         return _out_of_memory(report.data, folder, report.path)
-    return _run(report.path, report.data)
+    run = _run(report.path, report.data)
+    ended = run.facts.get("exit")
+    if isinstance(ended, dict) and ended.get("code") and ended.get("status") == "raised":
+        from dataclasses import replace
+
+        steps = run.facts.get("optimizer_steps") or 0
+        error = str(ended.get("error") or "an error").splitlines()[0].rstrip(".")
+        return replace(run, lower_bound=True, failed=(
+            f"The run raised {error} after {steps} optimizer step{'s' * (steps != 1)}, so its"
+            " peak is a lower bound of what it needs; the savings below are of what ran"
+            " (fix the error and run it again for the whole run's)."))
+    return run
 
 
 def _run(path: Path, data: dict[str, Any], out_of_memory: str | None = None,

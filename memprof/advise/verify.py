@@ -2,6 +2,9 @@
 
 A remedy whose re-run fails is shown as failed, with why, and the others are still
 measured; one that measurably saves nothing leaves the plan, which is made again without it.
+A plan measured over the budget is made again from the measured peaks: the cheapest remedy
+measured to fit alone, or else the plan with more remedies, estimated from its measured
+peak (and measured in turn where memprof can apply them).
 """
 
 from __future__ import annotations
@@ -59,12 +62,47 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
         kept = [r.remedy for r in advice.ranked if r.remedy.key not in idle]
         advice = replace(advice, plan=plan(advice.start, kept, advice.budget.bytes),
                          excluded=idle)
-    steps = advice.plan.steps
-    if steps and all(verifiable(s.remedy, batch_arg)
-                     and not isinstance(measured.get(s.remedy.key), Failed) for s in steps):
+    if _applicable(advice.plan, measured, batch_arg):
         progress("the whole plan")
-        measured[PLAN] = attempt(rerun, [s.remedy.verify for s in steps], batch_arg)
-    return _replanned(advice, measured), measured
+        measured[PLAN] = _whole(advice.plan, rerun, batch_arg)
+    advice = _replanned(advice, measured)
+    extended = _extended(advice, measured)
+    if extended is not None:  # the measured plan and more remedies, estimated from it
+        advice, measured[DISCARDED] = extended, measured.pop(PLAN)
+        if _applicable(advice.plan, measured, batch_arg):
+            progress("the plan with more remedies")
+            measured[PLAN] = _whole(advice.plan, rerun, batch_arg)
+    return advice, measured
+
+
+def _applicable(planned: Plan, measured: Measured, batch_arg: str | None) -> bool:
+    """Whether memprof can apply every step of ``planned`` (none failed alone)."""
+    return bool(planned.steps) and all(
+        verifiable(s.remedy, batch_arg) and not isinstance(measured.get(s.remedy.key), Failed)
+        for s in planned.steps)
+
+
+def _whole(planned: Plan, rerun: Rerun, batch_arg: str | None) -> Peak | Failed | None:
+    return attempt(rerun, [s.remedy.verify for s in planned.steps], batch_arg)
+
+
+def _extended(advice: Advice, measured: Measured) -> Advice | None:
+    """``advice`` whose plan, measured over the budget with no remedy measured to fit
+    alone, gets the remedies of the groups it lacks that fit the budget from its measured
+    peak (those that measured no saving or failed left out); None where none do."""
+    whole, budget = measured.get(PLAN), advice.budget.bytes
+    if advice.discarded is not None or not isinstance(whole, Peak) or whole.reserved <= budget:
+        return None
+    groups = {s.remedy.group for s in advice.plan.steps}
+    others = [r.remedy for r in advice.ranked if r.remedy.group not in groups
+              and r.remedy.key not in advice.excluded
+              and not isinstance(measured.get(r.remedy.key), Failed)]
+    more = plan(whole, others, budget)
+    if not more.fits or not more.steps:
+        return None
+    *before, last = advice.plan.steps  # the plan's last step as measured, then the rest
+    return replace(advice, plan=Plan([*before, replace(last, peak=whole), *more.steps], True),
+                   discarded=advice.plan)
 
 
 def _replanned(advice: Advice, measured: Measured) -> Advice:
@@ -145,7 +183,7 @@ def _run(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None) -> Pe
     for spec in specs:
         apply.update({k: v for k, v in spec.items()
                       if k in ("autocast", "checkpoint", "chunked_loss", "bucket_view", "shard",
-                               "units", "offload", "flat_mesh")})
+                               "units", "offload", "flat_mesh", "schedule")})
         world = spec.get("world", world)
         if "alloc_conf" in spec:
             conf = ",".join(filter(None, (rerun.alloc_conf, spec["alloc_conf"])))

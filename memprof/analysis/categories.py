@@ -29,8 +29,12 @@ _COMMUNICATION_FILES = ("/torch/distributed/fsdp/", "/torch/distributed/_composa
                         "/torch/distributed/tensor/_redistribute.py",
                         "/torch/distributed/tensor/_collective_utils.py",
                         "/torch/nn/parallel/distributed.py")
-# the flat copy DDP broadcasts the module state in
-_COMMUNICATION_CALLS = {("/torch/distributed/utils.py", "_sync_params_and_buffers")}
+# the flat copy DDP broadcasts the module state in, and a pipeline stage's receive
+# buffers: each microbatch's activations from the stage before, gradients from the one after
+_PIPELINE_STAGE = "/torch/distributed/pipelining/stage.py"
+_COMMUNICATION_CALLS = {("/torch/distributed/utils.py", "_sync_params_and_buffers")} | {
+    (_PIPELINE_STAGE, name) for name in (
+        "create_recv_tensor", "_create_grad_recv_info", "_setup_forward_recv_info")}
 # and not DDP's forward: _DDPSink's clones of the model's outputs (find_unused_parameters,
 # a static graph) are the model's tensors, not a collective's
 _MODEL_CALLS = {("/torch/nn/parallel/distributed.py", "forward")}
@@ -43,10 +47,12 @@ _GATHERING_CALLS = {("/fsdp/_fully_shard/_fsdp_param.py", name) for name in (
     "alloc_storage", "init_all_gather_outputs", "init_unsharded_param",
     "alloc_all_gather_outputs")} | {("/torch/distributed/utils.py", "_alloc_storage")}
 # decorators between a function and the op it calls (torch._disable_dynamo, no_grad),
-# TypedStorage's methods over the untyped storage's (FSDP1 resizes through them), and
-# a comprehension's frame of its own (before Python 3.12), which its function's stands for
+# TypedStorage's methods over the untyped storage's (FSDP1 resizes through them), a
+# comprehension's frame of its own (before Python 3.12), which its function's stands for,
+# and the pipeline's tensor from metadata, which its caller's does
 _WRAPPER_FILES = ("/torch/_dynamo/eval_frame.py", "/torch/_compile.py",
                   "/torch/utils/_contextlib.py", "/torch/storage.py")
+_WRAPPER_CALLS = {("/torch/distributed/pipelining/_utils.py", "_make_tensor_from_meta")}
 _COMPREHENSIONS = {"<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>"}
 
 
@@ -82,7 +88,8 @@ def communication_call(filename: str, name: str) -> tuple[str, ...] | None:
     innermost of its stack, allocated it: none where it is not torch.distributed making a
     collective's buffer; None for a decorator's frame (ask its caller)."""
     path = filename.replace("\\", "/")
-    if path.endswith(_WRAPPER_FILES) or name in _COMPREHENSIONS:
+    if path.endswith(_WRAPPER_FILES) or name in _COMPREHENSIONS or any(
+            path.endswith(f) and name == n for f, n in _WRAPPER_CALLS):
         return None
     if any(path.endswith(f) and name == n for f, n in _MODEL_CALLS):
         return ()

@@ -157,6 +157,9 @@ def _predicted(run: Run, source: Path, rerun_command: str | None, notes: Console
     if run.snapshot == run.path:  # a plain snapshot: no command was recorded
         raise MemprofError(f"{run.path}: a snapshot records no command to re-run; give"
                            " --predict the run folder memprof run wrote")
+    if run.failed:
+        raise MemprofError(f"{run.path}: --predict tells what a run that ran out of memory"
+                           " needs; this run raised another error: fix it and run it again")
     if not run.out_of_memory:
         raise MemprofError(f"{run.path}: --predict tells what a run that ran out of memory"
                            " needs; this run did not, so its peak is what it needs")

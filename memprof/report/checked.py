@@ -203,7 +203,8 @@ MODEL = record(
                          logits_rows=COUNT)),
     parallelism=optional(record(strategies=items(TEXT), meshes=items(record(
         shape=items(COUNT), dims=items(TEXT), placements=optional(items(TEXT)))),
-        param_dtype=optional(TEXT))),
+        param_dtype=optional(TEXT), pipeline=optional(record(
+            schedule=TEXT, microbatches=COUNT, stages=COUNT, stage=COUNT)))),
 )
 RUN = record(
     command=items(TEXT), started=TEXT, cwd=TEXT, launcher_env=optional(table(TEXT)),

@@ -2,14 +2,17 @@
 hooks saw: the wrappers and strategies (DDP, FSDP1 with its sharding strategy, FSDP2's
 ``fully_shard``, DeepSpeed's engine with its ZeRO stage) and the device meshes its DTensor
 parameters live on (FSDP2, tensor parallel, HSDP: their shape, dimension names and how
-each dimension places the parameters), and the dtype FSDP's mixed precision computes in.
+each dimension places the parameters), and the dtype FSDP's mixed precision computes in;
+and the pipeline schedule (``torch.distributed.pipelining``) that ran a forward.
 
     parallelism(modules)  # {"strategies": ["fsdp2"], "meshes": [{"shape": [8], ...}]}
+    pipeline_of(frame)    # {"strategies": ["pipeline"], "pipeline": {"schedule": ...}}
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -59,8 +62,34 @@ def merged(seen: dict[str, Any] | None, now: dict[str, Any] | None) -> dict[str,
     meshes = list(seen["meshes"])
     meshes += [mesh for mesh in now["meshes"] if mesh not in meshes]
     both = {"strategies": sorted({*seen["strategies"], *now["strategies"]}), "meshes": meshes}
-    dtype = now.get("param_dtype") or seen.get("param_dtype")
-    return {**both, "param_dtype": dtype} if dtype else both
+    for key in ("param_dtype", "pipeline"):
+        if value := now.get(key) or seen.get(key):
+            both[key] = value
+    return both
+
+
+PIPELINE = "pipeline"
+_SCHEDULES = "/torch/distributed/pipelining/schedules.py"
+
+
+def pipeline_of(frame: FrameType | None, depth: int = 40) -> dict[str, Any] | None:
+    """The ``parallelism`` fact of the pipeline schedule whose step runs ``frame`` (a
+    module's forward), within ``depth`` frames: its class, microbatches, the stages of the
+    pipeline and the first this rank runs; None outside one."""
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_filename.replace("\\", "/").endswith(_SCHEDULES):
+            schedule = frame.f_locals.get("self")
+            stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+            index = getattr(stages[0], "stage_index", None)
+            if isinstance(index, int) and hasattr(schedule, "_n_microbatches"):
+                return {"strategies": [PIPELINE], "meshes": [], "pipeline": {
+                    "schedule": type(schedule).__name__,
+                    "microbatches": int(schedule._n_microbatches),
+                    "stages": int(schedule._num_stages), "stage": index}}
+        frame = frame.f_back
+    return None
 
 
 def model_class(module: torch.nn.Module) -> type:

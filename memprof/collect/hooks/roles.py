@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from memprof.collect.hooks.block_saves import BlockSaves
 from memprof.collect.hooks.forward_facts import ForwardFacts
 from memprof.collect.hooks.model_facts import model_facts
-from memprof.collect.hooks.parallelism import merged, parallelism
+from memprof.collect.hooks.parallelism import merged, parallelism, pipeline_of
 from memprof.collect.hooks.step_pace import END, MOVE, StepPace
 from memprof.collect.hooks.weak_ids import WeakIdMap
 from memprof.collect.tensors import tensors_in
@@ -71,6 +71,7 @@ class RoleHooks:
         # how the model was spread, as seen so far: a wrapper (the Trainer's DDP) may be
         # gone by the end of the script, when the facts are taken again
         self._parallelism: dict[str, Any] | None = None
+        self._pipeline: dict[str, Any] | None = None  # the schedule that ran a forward
         self._pace = StepPace()
         self._forward = ForwardFacts()
         self._blocks = BlockSaves()
@@ -224,6 +225,9 @@ class RoleHooks:
         self._forward.before(module)
         stack = self._forward.stack
         self._blocks.enter(module, args, stack[-2] if len(stack) > 1 else None)
+        if len(stack) == 1 and not self._steps_seen and not self._pipeline:
+            # a pipeline schedule's microbatches are its backward passes, not the script's
+            self._pipeline = pipeline_of(sys._getframe(2))
         if self._autocast is None and torch._C._is_any_autocast_enabled():
             self._autocast = _autocast_dtype(module)
         held = _addresses(module)
@@ -249,7 +253,8 @@ class RoleHooks:
         self._backwards += self._counted == id(p)
 
     def _model_facts(self) -> dict[str, Any]:
-        self._parallelism = merged(self._parallelism, parallelism(self._modules))
+        self._parallelism = merged(merged(self._parallelism, parallelism(self._modules)),
+                                   self._pipeline)
         return {**model_facts(self._modules, self._optimizers, self._autocast,
                               self._blocks.facts()),
                 "trainer": self._trainer, "parallelism": self._parallelism,

@@ -74,8 +74,12 @@ def _autocast_forward(dtype: torch.dtype, device: str) -> Iterator[None]:
 
     open_: list[tuple[torch.nn.Module, torch.autocast]] = []
 
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
     def enter(module: torch.nn.Module, args: object) -> None:
-        if not open_ and torch.is_grad_enabled():
+        # not while torch.export traces the model (pipelining's tracer splits it so): the
+        # graph would hold the autocast, and the stages' modules would not
+        if not open_ and torch.is_grad_enabled() and not exporting():
             context = torch.autocast(device, dtype=dtype)
             context.__enter__()
             open_.append((module, context))

@@ -13,7 +13,9 @@ suggest --verify`` (``MEMPROF_APPLY``, read by ``apply.py``):
   cpu_offload=CPUOffload(offload_params=True))``;
 - ``{"flat_mesh": true}``: FSDP2 shards over every rank of an HSDP mesh it is given
   (``fully_shard(..., mesh=<2-D (replicas, shards)>)``): one dimension of them all; FSDP1's
-  HYBRID_SHARD is FULL_SHARD over the default group.
+  HYBRID_SHARD is FULL_SHARD over the default group;
+- ``{"schedule": "Schedule1F1B"}``: a pipeline's ``ScheduleGPipe`` is that schedule of
+  ``torch.distributed.pipelining`` instead (the same arguments).
 
 An optimizer made before the wrapper works as well: with ``use_orig_params`` FSDP keeps the
 parameter objects, their data its shard.
@@ -33,6 +35,7 @@ import torch
 from memprof.collect.hooks.parallelism import model_class
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+SCHEDULES = ("Schedule1F1B",)  # what a pipeline's GPipe schedule may become
 # where scripts import FSDP2's fully_shard from (the older path too)
 FULLY_SHARD_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 
@@ -45,6 +48,11 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
         and all(isinstance(u, str) for u in units)
     views, offload = asked.get("bucket_view") is True, asked.get("offload") is True
     flat = asked.get("flat_mesh") is True
+    schedule = asked.get("schedule")
+    if schedule in SCHEDULES:
+        with _gpipe_as(str(schedule)):
+            yield
+        return
     if not (sharded or views or offload or flat):
         yield
         return
@@ -80,6 +88,22 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
     finally:
         for owner, name, value in reversed(kept):
             setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def _gpipe_as(name: str) -> Iterator[None]:
+    """``ScheduleGPipe`` as the schedule ``name``, wherever a script imports it from."""
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import schedules
+
+    instead, gpipe = getattr(schedules, name), schedules.ScheduleGPipe
+    for owner in (pipelining, schedules):
+        owner.ScheduleGPipe = instead  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for owner in (pipelining, schedules):
+            owner.ScheduleGPipe = gpipe  # type: ignore[attr-defined]
 
 
 def _bucket_views(ddp: type) -> type:

@@ -12,8 +12,9 @@ the caller's tensors and a ``Work`` whose future holds them, as NCCL's does (DDP
 reads its buckets back from that future). A small tensor's values (``values.py``) follow PyTorch's
 ``FakeProcessGroup``: an all-gather copies this rank's input to every rank's slot, an
 in-place reduction keeps this rank's values, any other output loses them; a broadcast's
-come from its root through the group's store (``objects.py``), as checks that the ranks
-agree (DeepSpeed's) read them.
+come from its root, and a recv's from its sender, through the group's store
+(``objects.py``), as checks that the ranks agree (DeepSpeed's) and pipeline schedules'
+votes read them.
 
     if func in COLLECTIVES:
         return collective(func, args, on_card)  # on_card: a meta tensor made a card's
@@ -45,6 +46,7 @@ _GATHERS = _ops("allgather_", "_allgather_base_", "allgather_coalesced_",
                 "allgather_into_tensor_coalesced_")
 _NOTHING_WRITTEN = _ops("barrier", "monitored_barrier_")
 _BROADCASTS = _ops("broadcast_")
+_POINT_TO_POINT = _ops("send", "recv_")
 _WORK = "Work"
 
 
@@ -62,6 +64,10 @@ def collective(func: torch._ops.OpOverload, args: tuple,
 
         broadcast_values(group, args[2], _flat(written))
     _values(func, written, args[1] if func in _GATHERS else None, world)
+    if func in _POINT_TO_POINT:  # the sender's small values, as a card's recv gets them
+        from memprof.collect.virtual.objects import p2p_values
+
+        p2p_values(func in _IN_PLACE, group, args[2], _flat(written))
     held = _flat(written)  # what the work's future holds
     if _over_nccl(group) and func in _FLATTENS and _same_size(args[_FLATTENS[func]][0]):
         listed = args[_FLATTENS[func]][0]

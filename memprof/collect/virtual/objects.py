@@ -1,15 +1,18 @@
 """Object collectives on the virtual GPU: the pickles go through the group's store.
 
-``all_gather_object``, ``gather_object``, ``broadcast_object_list`` and
-``scatter_object_list`` pickle objects into byte tensors on the card and exchange them
-with tensor collectives; virtual tensors hold no values to exchange, and a rank would
-unpickle its own bytes, or placeholders. PyTorch's own function still runs, so its byte
-tensors are allocated on the card as on a real one, but the objects are exchanged through
-the store the ranks met at (``c10d``'s for that group), as pickles, and put where PyTorch
-puts them. Where ``memprof run --ranks`` runs some ranks of the world only
-(``RANKS_RUN``), a rank not run sends what this rank sends: its own objects (every rank
-runs the same program), and a broadcast or scatter from it leaves this rank's objects as
-they were; said once.
+``all_gather_object``, ``gather_object``, ``broadcast_object_list``,
+``scatter_object_list``, ``send_object_list`` and ``recv_object_list`` pickle objects
+into byte tensors on the card and exchange them with tensor collectives; virtual tensors
+hold no values to exchange, and a rank would unpickle its own bytes, or placeholders.
+PyTorch's own function still runs, so its byte tensors are allocated on the card as on a
+real one, but the objects are exchanged through the store the ranks met at (``c10d``'s
+for that group), as pickles, and put where PyTorch puts them. Where ``memprof run
+--ranks`` runs some ranks of the world only (``RANKS_RUN``), a rank not run sends what
+this rank sends: its own objects (every rank runs the same program), and a broadcast,
+scatter or send from it leaves this rank's objects as they were; said once. A small
+tensor's values (``values.py``) that a broadcast, a send or a recv moves go through the
+store too (``broadcast_values``, ``p2p_values``): pipeline schedules vote with them, and
+their stages send each other their shapes.
 
     patches.update(ObjectCollectives().patches())  # by (module, attribute)
 """
@@ -49,18 +52,27 @@ class ObjectCollectives:
             ("all_gather_object", self._all_gather), ("gather_object", self._gather),
             ("scatter_object_list", self._scatter))}
         wrapped["broadcast_object_list"] = self._wrap_broadcast(c10d.broadcast_object_list)
+        wrapped["send_object_list"] = self._wrap(
+            "send_object_list", c10d.send_object_list, self._send, before=True)
+        wrapped["recv_object_list"] = self._wrap("recv_object_list", c10d.recv_object_list,
+                                                 self._recv)
         return {**{(owner, name): fn for name, fn in wrapped.items() for owner in (c10d, dist)},
                 (c10d, "_tensor_to_object"): _unread}
 
     def _wrap(self, name: str, original: Callable[..., Any],
-              how: Callable[[Any, dict[str, Any]], None]) -> Callable[..., Any]:
+              how: Callable[[Any, dict[str, Any]], None], before: bool = False
+              ) -> Callable[..., Any]:
+        """``original`` (the card's byte tensors, as PyTorch makes them), then ``how``
+        exchanges the objects (``before``: first, as a sender, which waits for no one)."""
         signature = inspect.signature(original)
 
         @functools.wraps(original)
         def collective(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)  # the card's byte tensors, as PyTorch makes them
             given, group = _bound(signature, args, kwargs)
-            if group is not None:
+            if before and group is not None:
+                how(group, given)
+            out = original(*args, **kwargs)
+            if not before and group is not None:
                 how(group, given)
             return out
         return collective
@@ -129,6 +141,17 @@ class ObjectCollectives:
         if self._runs(group, src):
             given["scatter_object_output_list"][0] = pickle.loads(store.get(f"{key}/{rank}"))
 
+    def _send(self, group: Any, given: dict[str, Any]) -> None:
+        dst = _group_rank(group, given.get("dst"), given.get("group_dst"))
+        _store(group).set(_pair_key(group, "objects", dist.get_rank(group), dst),
+                          pickle.dumps(list(given["object_list"])))
+
+    def _recv(self, group: Any, given: dict[str, Any]) -> None:
+        src = _group_rank(group, given.get("src"), given.get("group_src"))
+        key = _pair_key(group, "objects", src, dist.get_rank(group))
+        if self._runs(group, src):
+            given["object_list"][:] = pickle.loads(_store(group).get(key))
+
     def _exchange(self, group: Any, key: str, obj: Any, reader: int | None) -> list[Any]:
         """Every rank's ``obj``, by group rank (for ``reader`` only, where one is named)."""
         store, rank = _store(group), dist.get_rank(group)
@@ -147,35 +170,75 @@ class ObjectCollectives:
         if not self._told:
             self._told = True
             say("memprof: an object collective involves ranks not run (--ranks): each is"
-                " taken to send what the receiving rank sends, and a broadcast or scatter"
-                " from one leaves the receiving rank's objects as they were")
+                " taken to send what the receiving rank sends, and a broadcast, scatter or"
+                " send from one leaves the receiving rank's objects as they were (pipeline"
+                " stages send each other their shapes: run every rank, --ranks all)")
         return False
 
 
-_broadcasts: dict[str, int] = {}  # per group: tensor broadcasts so far
+_sequences: dict[str, int] = {}  # per group (and pair of ranks): exchanges so far
+
+
+def _next(key: str) -> str:
+    """``key`` numbered by how many exchanges under it came before: every rank numbers its
+    own, and they agree, as the ranks make the same calls in the same order."""
+    _sequences[key] = n = _sequences.get(key, 0) + 1
+    return f"{key}/{n}"
+
+
+def _pair_key(group: Any, what: str, src: int, dst: int) -> str:
+    """The next key of ``what`` sent from group rank ``src`` to ``dst``."""
+    return _next(f"{_PREFIX}/{what}/{group.group_name}/{src}>{dst}")
+
+
+def _launched_store(group: Any) -> Any:
+    """The group's store where a launcher started every rank as a process (None: the
+    other ranks are no processes, one's own group)."""
+    entry = c10d._world.pg_map.get(group) if group is not None else None
+    return entry[1] if entry is not None and os.environ.get(AGENT_STORE) == "True" else None
 
 
 def broadcast_values(group: Any, root: int, tensors: list[torch.Tensor]) -> None:
     """A tensor broadcast's small values (``values.py``) from ``root`` (a group rank)
     through the group's store, as the objects go: the root's are set, a receiving rank's
     replaced where the root runs (``--ranks``) and its tensor holds values of that shape."""
-    entry = c10d._world.pg_map.get(group) if group is not None else None
-    if entry is None or os.environ.get(AGENT_STORE) != "True":
-        return  # no launcher's store: the other ranks are no processes (one's own group)
-    name = group.group_name
-    _broadcasts[name] = n = _broadcasts.get(name, 0) + 1
-    key, store = f"{_PREFIX}/values/{name}/{n}", entry[1]
+    store = _launched_store(group)
+    if store is None:
+        return
+    key = _next(f"{_PREFIX}/values/{group.group_name}")
     if group.rank() == root:
         store.set(key, pickle.dumps([getattr(t, "value", None) for t in tensors]))
+    elif any(getattr(t, "value", None) is not None for t in tensors):
+        _received(store, key, group, root, tensors)
+
+
+def p2p_values(sending: bool, group: Any, peer: int, tensors: list[torch.Tensor]) -> None:
+    """A send's or recv's small values (``values.py``; the tensors of both are the same
+    size) through the group's store: the sender's set, the receiver's replaced where the
+    sender runs (``--ranks``). ``peer``: the other end's group rank."""
+    from memprof.collect.virtual.values import SMALL
+
+    store = _launched_store(group)
+    if store is None or not tensors or any(t.numel() > SMALL for t in tensors):
         return
+    me = group.rank()
+    key = _pair_key(group, "values", *((me, peer) if sending else (peer, me)))
+    if sending:
+        store.set(key, pickle.dumps([getattr(t, "value", None) for t in tensors]))
+    else:
+        _received(store, key, group, peer, tensors)
+
+
+def _received(store: Any, key: str, group: Any, sender: int, tensors: list[torch.Tensor]
+              ) -> None:
+    """Each of ``tensors`` given the values group rank ``sender`` set under ``key``, where
+    it runs (``--ranks``) and they are values of the tensor's shape."""
     run = _ranks_run()
-    if not any(getattr(t, "value", None) is not None for t in tensors) or (
-            run is not None and dist.get_global_rank(group, root) not in run):
+    if run is not None and dist.get_global_rank(group, sender) not in run:
         return
     for t, value in zip(tensors, pickle.loads(store.get(key)), strict=False):
-        if isinstance(value, torch.Tensor) and getattr(t, "value", None) is not None \
-                and value.shape == t.shape:
-            t.value = value
+        if isinstance(value, torch.Tensor) and value.shape == t.shape:
+            t.value = value.to(t.dtype)  # type: ignore[attr-defined]
 
 
 def _ranks_run() -> set[int] | None:
