@@ -528,3 +528,27 @@ def test_a_modules_tensors_after_to_or_half_are_parameters_though_no_forward_see
     assert int(timeline["parameters"].max()) == block(256 * 256 * 2) + block(256 * 2)
     assert int(timeline["buffers"].max()) == 2 * block(256 * 2)  # running mean, variance
     assert int(timeline["temporaries"].max()) == 0
+
+
+def test_a_deep_copy_of_a_model_holds_parameters_though_its_forward_never_runs():
+    """An exponential moving average of the weights (timm's ``ModelEmaV3``: a ``deepcopy``
+    of the model, updated in place, never run in training): 2 x (256 x 256 + 256) fp32
+    parameters, the model's and its copy's, not temporaries."""
+    import copy
+
+    from memprof.analysis.explain import explain
+    from memprof.collect.recording import predict_cuda_layout
+    from memprof.trace.model import AllocatorSettings
+    from memprof.trace.normalize import normalize
+
+    model = nn.Linear(256, 256)
+    with CpuRecorder() as recorder:
+        ema = copy.deepcopy(model)
+        model(torch.ones(4, 256)).sum().backward()
+        with torch.no_grad():
+            for averaged, p in zip(ema.parameters(), model.parameters(), strict=True):
+                averaged.lerp_(p, 0.001)
+    snapshot, _ = predict_cuda_layout(recorder.snapshot(), AllocatorSettings())
+    timeline = explain(normalize(snapshot)).devices[0].category_timeline
+    assert int(timeline["parameters"].max()) == 256 * 256 * 4 + 1024  # the copy's
+    assert int(timeline["temporaries"].max()) == 4 * 256 * 4 + 512  # the output, the loss

@@ -72,3 +72,28 @@ def test_spawn_and_forkserver_children_each_get_a_virtual_card_and_a_report(
             ) in result.stderr
     assert result.stderr.rstrip().endswith(f"Next: memprof explain {out}/child-1/snapshot.pickle")
     assert "Traceback" not in result.stderr and "made no CUDA tensor, so" not in result.stderr
+
+
+STEPPING = """\
+import torch
+import torch.multiprocessing as mp
+
+def train(i):
+    model = torch.nn.Linear(64, 64).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(50):
+        model(torch.ones(8, 64, device="cuda")).sum().backward()
+        optimizer.step()
+
+if __name__ == "__main__":
+    mp.spawn(train, nprocs=1)
+"""
+
+
+def test_a_spawned_child_stops_after_the_steps_the_run_asked_for(tmp_path: Path) -> None:
+    (tmp_path / "stepping.py").write_text(STEPPING)
+    out = tmp_path / "out"
+    result = memprof_run(tmp_path, "--steps", "2", "--no-timeline", "-o", out, "stepping.py")
+    assert result.code == 0, result.stderr
+    child = report(out / "child-1")["run"]
+    assert (child["optimizer_steps"], child["stopped_by"]) == (2, "steps")

@@ -228,7 +228,7 @@ def scale(where: Path) -> Result:
 
 
 CHECKPOINTS = """
-import sys
+import os, shutil, sys
 import torch
 assert torch.accelerator.is_available()
 device = torch.accelerator.current_accelerator()
@@ -243,6 +243,13 @@ assert torch.load("virtual.pt", map_location="cpu")["weight"].device.type == "cp
 torch.save(model.state_dict(), sys.argv[1])  # over the real checkpoint: it must survive
 assert torch.load(sys.argv[1])["weight"].is_cuda  # this run reads its own save back
 torch.save({"loss": 1.5}, "metrics.pt")  # no virtual tensor: written as python would
+torch.save(model.state_dict(), "tmp.pt")  # an atomic save: a temporary file, renamed
+os.replace("tmp.pt", sys.argv[1])  # over the real checkpoint again
+shutil.copyfile(sys.argv[1], "best.pt")
+assert os.path.exists("best.pt") and not os.path.exists("tmp.pt")
+assert torch.load("best.pt")["weight"].is_cuda
+os.remove("best.pt")
+assert not os.path.exists("best.pt")
 """
 
 
@@ -674,7 +681,8 @@ def test_checkpoints_save_and_load_on_the_virtual_gpu(runs: dict[str, Future[Any
     result, where = finished(runs, "checkpoints")
     assert "torch.save(virtual.pt) holds virtual tensors (no weights): it went to a scratch" \
         " file, the path is left as it was" in result.stderr
-    assert not (where / "virtual.pt").exists()  # no file of placeholders anywhere
+    # no file of placeholders anywhere, however the script moved and copied them
+    assert not any((where / name).exists() for name in ("virtual.pt", "tmp.pt", "best.pt"))
     kept = torch.load(where / "real.pt")  # the real checkpoint, as it was
     assert kept["weight"].equal(torch.ones(256, 256)) and kept["step"].item() == 7
     assert torch.load(where / "metrics.pt") == {"loss": 1.5}
@@ -682,9 +690,9 @@ def test_checkpoints_save_and_load_on_the_virtual_gpu(runs: dict[str, Future[Any
         trace = pickle.load(f)["device_traces"][0]
     weights = [e for e in trace if e["action"] == "alloc" and e["size"] == 256 * 256 * F32]
     # the parameter, the real checkpoint's weight mapped to CUDA, the virtual ones read
-    # back on CUDA (virtual.pt, and the save over real.pt); the copy mapped to the host is
-    # not device memory
-    assert len(weights) == 4
+    # back on CUDA (virtual.pt, the save over real.pt, best.pt); the copy mapped to the
+    # host is not device memory
+    assert len(weights) == 5
 
 
 def test_a_script_without_cuda_tensors_is_told_so(runs: dict[str, Future[Any]]) -> None:

@@ -295,6 +295,22 @@ def test_small_tensors_hold_the_values_that_decide_shapes(gpu: VirtualGpu) -> No
         assert moved.is_cuda and moved.tolist() == [0, 1, 0, 1, 1] and not bool(moved.all())
 
 
+def test_legacy_constructors_and_meta_twins_of_a_cuda_tensor(gpu: VirtualGpu) -> None:
+    """``loss.new([x])`` (timm's distributed logging) and ``new_tensor`` are on the card with
+    their values; ``new(*sizes)`` too; ``zeros_like(t, device="meta")`` and ``t.to("meta")``
+    (DeepSpeed's partition shapes) are meta tensors, no card memory."""
+    loss = torch.zeros((), device="cuda")
+    made = [loss.new([1.5]), loss.new_tensor([2.0]), loss.new(64, 64)]
+    assert all(t.is_cuda for t in made)
+    assert made[0].item() == 1.5 and (made[1] / 2).item() == 1.0 and made[2].shape == (64, 64)
+    before = torch.cuda.memory_allocated()
+    weight = torch.empty(1024, 1024, device="cuda")
+    shapes = [torch.zeros_like(weight, device="meta"), torch.empty_like(weight, device="meta"),
+              weight.to("meta")]
+    assert all(t.device.type == "meta" and t.shape == weight.shape for t in shapes)
+    assert torch.cuda.memory_allocated() - before == 1024 * 1024 * 4  # the weight alone
+
+
 def test_a_large_tensors_value_is_a_placeholder_named_by_the_line(
         gpu: VirtualGpu, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
         ) -> None:

@@ -124,6 +124,15 @@ class RoleHooks:
             self._mark_buffers(module)
             return out
         torch.nn.Module._apply = applied  # type: ignore[method-assign]
+        self._deepcopy_orig = deepcopy = torch.nn.Parameter.__deepcopy__
+
+        def copied(param: torch.nn.Parameter, memo: dict[int, Any]) -> torch.nn.Parameter:
+            # a copy of a model (an EMA of its weights, a frozen reference model) holds
+            # parameters too, though its forward may never run in training
+            out = deepcopy(param, memo)
+            self._mark_param(out)
+            return out
+        torch.nn.Parameter.__deepcopy__ = copied  # type: ignore[method-assign]
 
     def remove(self) -> None:
         """Mark what the seen modules and optimizers hold now, then remove every hook."""
@@ -153,6 +162,7 @@ class RoleHooks:
             self._saved.__exit__()
             _VersionWrapper.__init__ = self._sac_init  # type: ignore[method-assign]
             torch.nn.Module._apply = self._apply_orig  # type: ignore[method-assign]
+            torch.nn.Parameter.__deepcopy__ = self._deepcopy_orig  # type: ignore[method-assign]
             self._forward.remove()
             for handle in [*self._handles, *self._grad_hooks]:
                 handle.remove()

@@ -31,13 +31,20 @@ _MEMPROF = str(Path(memprof.__file__).resolve().parent) + os.sep
 _RETRY_S = 0.02
 
 
-class Stop(BaseException):
-    """Ends the script early; ``reason`` goes to the report as ``run.stopped_by``."""
+class Stop(SystemExit):
+    """Ends the script early; ``reason`` goes to the report as ``run.stopped_by``. A
+    ``SystemExit``: in a process the script started (``torch.multiprocessing.spawn``'s),
+    multiprocessing ends the child with its exit code, as ``sys.exit`` would, where it
+    reports any other exception as a failure; ``last`` is the one raised, for the child's
+    report."""
+
+    last: Stop | None = None
 
     def __init__(self, reason: str, exit_code: int) -> None:
-        super().__init__(reason)
+        super().__init__(exit_code)
         self.reason = reason
         self.exit_code = exit_code
+        Stop.last = self
 
 
 def _in_memprof(frame: FrameType | None) -> bool:

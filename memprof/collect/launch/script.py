@@ -85,6 +85,7 @@ def run(target: Target) -> Outcome:
     and turned into exit codes: ``sys.exit(n)`` gives n, an exception 1, Ctrl-C 130.
     """
     saved_argv, saved_path, hook = sys.argv[:], sys.path[:], sys.excepthook
+    Stop.last = None
     sys.argv = ["-c" if target.code else target.name, *target.args]
     sys.path[0] = (os.getcwd() if target.module else "" if target.code
                    else str(Path(target.name).resolve().parent))
@@ -96,10 +97,13 @@ def run(target: Target) -> Outcome:
                                                     alter_sys=True))
         else:
             _run_script(target.name)
-    except SystemExit as exc:
-        return _exit_outcome(exc.code)
     except Stop as stop:
         return Outcome("stopped", stop.exit_code, None, stop.reason)
+    except SystemExit as exc:
+        stop = Stop.last  # a spawned process ends with the code a Stop gave it
+        if stop is not None and exc.code == stop.exit_code:
+            return Outcome("stopped", stop.exit_code, None, stop.reason)
+        return _exit_outcome(exc.code)
     except KeyboardInterrupt:
         _print_user_traceback(hook)
         return Outcome("interrupted", 130, "KeyboardInterrupt")

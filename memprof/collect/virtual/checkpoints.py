@@ -10,14 +10,18 @@ host tensors, so values that steer the script (an optimizer's step count) are ke
 
 A checkpoint of virtual tensors saved to a path goes to a scratch file instead, read back
 by the run's own ``torch.load`` of that path: a file of placeholders must not replace the
-user's real checkpoint (``out/ckpt.pt`` from a GPU run, say).
+user's real checkpoint (``out/ckpt.pt`` from a GPU run, say). The script's own moves,
+copies and removals of that path (``os.replace(tmp, last)``, as an atomic save does;
+``shutil.copyfile``, ``os.remove``) and its ``os.path.exists`` follow the scratch file.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,11 +65,77 @@ class Checkpoints:
         self._told = False
         self._scratch: str | None = None  # the folder of the scratch files, made at need
         self._redirects: dict[str, str] = {}  # real path -> its scratch file
+        self._made = 0  # scratch files named so far
+        # the originals, for the scratch files themselves
+        self._copyfile, self._unlink = shutil.copyfile, os.unlink
 
     def patches(self) -> dict[tuple[Any, str], Any]:
         """The attributes to replace while the virtual GPU runs."""
         return {(torch._utils, "_rebuild_wrapper_subclass"): _rebuild, (torch, "load"): self.load,
-                (torch, "save"): self.save}
+                (torch, "save"): self.save,
+                **{(os, name): self._moving(getattr(os, name)) for name in ("replace", "rename")},
+                **{(os, name): self._removing(getattr(os, name)) for name in ("remove", "unlink")},
+                (shutil, "copyfile"): self._copying(shutil.copyfile),
+                (os, "link"): self._copying(os.link),
+                **{(os.path, name): self._found(getattr(os.path, name))
+                   for name in ("exists", "isfile")}}
+
+    def _redirected(self, path: Any) -> str | None:
+        """The real path of ``path`` where this run saved virtual tensors to it, else None."""
+        if not self._redirects or not isinstance(path, (str, os.PathLike)):
+            return None
+        real = os.path.realpath(path)
+        return real if real in self._redirects else None
+
+    def _moving(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``os.replace``/``os.rename`` of a redirected path: its scratch file moves."""
+        @functools.wraps(original)
+        def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+            real = self._redirected(src)
+            if real is None:
+                return original(src, dst, *args, **kwargs)
+            self._redirects[os.path.realpath(dst)] = self._redirects.pop(real)
+            return None
+        return move
+
+    def _copying(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``shutil.copyfile``/``os.link`` of a redirected path: a scratch file's copy."""
+        @functools.wraps(original)
+        def copy(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+            real = self._redirected(src)
+            if real is None:
+                return original(src, dst, *args, **kwargs)
+            scratch = self._scratch_of(dst)
+            self._copyfile(self._redirects[real], scratch)
+            return dst
+        return copy
+
+    def _removing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``os.remove``/``os.unlink`` of a redirected path: its scratch file goes."""
+        @functools.wraps(original)
+        def remove(path: Any, *args: Any, **kwargs: Any) -> Any:
+            real = self._redirected(path)
+            if real is None:
+                return original(path, *args, **kwargs)
+            self._unlink(self._redirects.pop(real))
+            return None
+        return remove
+
+    def _found(self, original: Callable[..., bool]) -> Callable[..., bool]:
+        @functools.wraps(original)
+        def found(path: Any) -> bool:
+            return self._redirected(path) is not None or original(path)
+        return found
+
+    def _scratch_of(self, path: Any) -> str:
+        """The scratch file that stands for ``path`` (made at need)."""
+        if self._scratch is None:
+            self._scratch = tempfile.mkdtemp(prefix="memprof-checkpoints-")
+        real = os.path.realpath(path)
+        if real not in self._redirects:
+            self._made += 1
+            self._redirects[real] = os.path.join(self._scratch, f"{self._made}.pt")
+        return self._redirects[real]
 
     def install(self) -> None:
         _package_registry.append(self._entry)
@@ -96,11 +166,7 @@ class Checkpoints:
         if not isinstance(f, (str, os.PathLike)) or not _holds_virtual(obj):
             self._save(obj, f, *args, **kwargs)
             return
-        if self._scratch is None:
-            self._scratch = tempfile.mkdtemp(prefix="memprof-checkpoints-")
-        target = os.path.realpath(f)
-        scratch = self._redirects.setdefault(
-            target, os.path.join(self._scratch, f"{len(self._redirects)}.pt"))
+        scratch = self._scratch_of(f)
         if not self._told:
             self._told = True
             say(f"memprof: virtual GPU: torch.save({os.fspath(f)}) holds virtual tensors (no"

@@ -74,6 +74,12 @@ class CudaRouting(TorchFunctionMode):
             return torch.device("cuda", args[0])  # the current accelerator's: a CPU build has none
         if type(func) is _WRAPPER and func == SET_DATA:  # t.data = v (a method-wrapper)
             return set_data(*args)  # a host t given a virtual v becomes virtual
+        if func in _LEGACY_NEW and kind_of(args[0]) is not None and kwargs.get("device") is None:
+            return _new(func, args, kwargs)
+        if func in _MADE_LIKE and _is_meta(kwargs.get("device")):
+            # zeros_like(t, device="meta") of a card's t: a meta tensor, as on a card (DeepSpeed
+            # sizes its partitions so), not one on the card
+            return func(*[_inside(a) for a in args], **kwargs)
         if func is torch.Tensor.cuda:
             return _to_cuda(args[0], None)
         if func is torch.Tensor.to:
@@ -124,6 +130,38 @@ class CudaRouting(TorchFunctionMode):
             finally:
                 inside.discard(func)
         return func(*args, **kwargs)
+
+
+_LEGACY_NEW = (torch.Tensor.new, torch.Tensor.new_tensor)
+# the script's tensors made like another, which a device= may put elsewhere
+_MADE_LIKE = frozenset((
+    *(getattr(torch, f"{kind}_like") for kind in ("empty", "zeros", "ones", "full", "rand",
+                                                  "randn", "randint")),
+    *(getattr(torch.Tensor, f"new_{kind}") for kind in ("empty", "zeros", "ones", "full"))))
+
+
+def _new(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    """``t.new(data)``, ``t.new(*sizes)`` and ``t.new_tensor(data)`` of a virtual ``t``: on
+    its device (C++ would make them on its meta inside), data with its values."""
+    t, rest = args[0], args[1:]
+    data = func is torch.Tensor.new_tensor or (
+        bool(rest) and isinstance(rest[0], (list, tuple)) and not isinstance(rest[0], torch.Size))
+    with torch._C.DisableTorchFunction():
+        made = func(torch.empty(0, dtype=t.dtype, device=_CPU if data else _META), *rest,
+                    **kwargs)
+    kind = kind_of(t)
+    if kind is VirtualTensor:
+        return virtual_like(made) if data else _on_device(made)
+    return made if data else virtual_like(made, kind=kind)  # a host one's: on the host
+
+
+def _is_meta(device: object) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "meta"
+
+
+def _inside(x: Any) -> Any:
+    """A virtual tensor's meta tensor (anything else as it is)."""
+    return x.elem if isinstance(x, VirtualTensor) else x
 
 
 def _on_device(out: torch.Tensor) -> torch.Tensor:
@@ -196,6 +234,8 @@ def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torc
     args, kwargs = index_as_cuda(args, kwargs)
     device, dtype, non_blocking, memory_format = _parse_to(
         args, {k: v for k, v in kwargs.items() if k != "copy"})
+    if device is not None and device.type == "meta":  # a card's tensor to meta: no card's
+        return func(_inside(t), *args, **kwargs)
     if device is None or device.type != "cuda":
         return func(t, *args, **kwargs)
     if kind_of(t) is not VirtualTensor and not on_card(t):
