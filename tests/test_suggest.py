@@ -21,7 +21,7 @@ from memprof.advise.advice import advise
 from memprof.advise.budget import parse_budget
 from memprof.advise.peak import Peak
 from memprof.advise.remedies import Context, catalogue
-from memprof.advise.rerun import Rerun, with_arg
+from memprof.advise.rerun import Rerun
 from memprof.advise.source import load_run
 from memprof.collect.virtual.cards import parse_spec
 from memprof.errors import MemprofError
@@ -422,7 +422,7 @@ def test_fit_batch_finds_the_largest_batch_that_fits(runs: Path,
     os.chdir(runs)
     try:
         rerun = Rerun.of(load_run(runs / "lm"))
-        fits, over = (rerun.peak(with_arg(rerun.args, "batch", b)) for b in (largest, largest + 1))
+        fits, over = (rerun.peak(rerun.with_value("batch", b)) for b in (largest, largest + 1))
     finally:
         os.chdir(cwd)
     assert fits is not None and fits.reserved <= parse_budget(budget).bytes

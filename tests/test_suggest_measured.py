@@ -192,6 +192,29 @@ def test_a_batch_flag_left_at_its_default_is_read_from_the_scripts_parser(tmp_pa
     assert parser_default(broken, "batch") is None
 
 
+def test_a_batch_flag_is_read_and_set_under_any_of_its_aliases(tmp_path) -> None:
+    """pytorch/examples' imagenet: ``add_argument('-b', '--batch-size', default=256)``, run
+    with ``-b 32``: the batch is 32, and a re-run sets ``-b``, not an appended
+    ``--batch-size`` that the script's ``-b`` would lose to or win over by position."""
+    from memprof.advise.rerun import Rerun
+
+    script = tmp_path / "main.py"
+    script.write_text("import argparse\nparser = argparse.ArgumentParser()\n"
+                      "parser.add_argument('-b', '--batch-size', default=256, type=int)\n")
+
+    def rerun(*args: str) -> Rerun:
+        return Rerun([str(script), "--dummy", *args], ["--device", "cpu"], None, "",
+                     str(tmp_path))
+
+    assert rerun("-b", "32").value_of("batch-size") == 32
+    assert rerun("-b", "32").with_value("batch-size", 8) == ["--dummy", "-b", "8"]
+    assert rerun("-b32").value_of("batch-size") == 32
+    assert rerun("-b32").with_value("batch-size", 8) == ["--dummy", "-b8"]
+    assert rerun("--batch-size=64").with_value("batch-size", 8) == ["--dummy", "--batch-size=8"]
+    assert rerun().value_of("batch-size") == 256  # the default, read from the source
+    assert rerun().with_value("batch-size", 8) == ["--dummy", "--batch-size", "8"]
+
+
 @pytest.mark.parametrize(("peak_event", "steps"), [(15, 3), (29, 3), (30, None), (55, None)])
 def test_a_rerun_reaches_the_phase_that_held_the_recorded_peak(peak_event: int,
                                                                steps: int | None) -> None:
@@ -216,6 +239,9 @@ class _Rerun:
 
     def value_of(self, name: str) -> int:
         return 8
+
+    def with_value(self, name: str, value: int) -> list[str]:
+        return [f"--{name}", str(value)]
 
     def peak(self, args: list[str]) -> Peak:
         return _peak(64 * PAGE // 2 * int(args[args.index("--batch") + 1]))

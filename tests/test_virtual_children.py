@@ -97,3 +97,19 @@ def test_a_spawned_child_stops_after_the_steps_the_run_asked_for(tmp_path: Path)
     assert result.code == 0, result.stderr
     child = report(out / "child-1")["run"]
     assert (child["optimizer_steps"], child["stopped_by"]) == (2, "steps")
+
+
+def test_ranks_spawned_inside_a_launched_rank_are_refused_in_one_line(tmp_path: Path) -> None:
+    """imagenet's ``--multiprocessing-distributed`` under ``--nproc-per-node 2``: each rank
+    would spawn a process per card, a world that never meets; said, not hung."""
+    import importlib
+
+    import pytest
+
+    from memprof.collect.launch.children import FollowedChildren, NestedRanks
+
+    class Process:
+        _target = importlib.import_module("torch.multiprocessing.spawn")._wrap
+
+    with pytest.raises(NestedRanks, match="run it with memprof run alone"):
+        FollowedChildren(tmp_path, [], ranks=2)._start(None, None, Process())

@@ -121,7 +121,7 @@ class Rerun:
         """The integer value of the script's ``--name``: as the command gives it, else its
         argparse default, read from the script's source (never run). MemprofError when
         neither says."""
-        given = _value_of(self.args, name)
+        given = _value_of(self.args, self.flags(name))
         if given is None and self.target[0] not in ("-m", "-c"):
             given = parser_default(Path(self.cwd or ".", self.script), name)
         if given is None:
@@ -129,6 +129,15 @@ class Rerun:
                                f" set --{name.lstrip('-')} to a number, nor does the script's"
                                " argparse default; run it with the flag given explicitly")
         return given
+
+    def flags(self, name: str) -> list[str]:
+        """The flags that set the script's ``--name`` (``option_flags``)."""
+        script = None if self.target[0] in ("-m", "-c") else Path(self.cwd or ".", self.script)
+        return option_flags(script, name)
+
+    def with_value(self, name: str, value: int) -> list[str]:
+        """The script's arguments with ``--name`` (or an alias of it) set to ``value``."""
+        return with_arg(self.args, self.flags(name), value)
 
     @property
     def args(self) -> list[str]:
@@ -268,51 +277,80 @@ def _gist(error: str, limit: int = 200) -> str:
     return line[:cut if cut > 0 else limit].rstrip(" ,:;") + " ..."
 
 
-def with_arg(args: list[str], name: str, value: int) -> list[str]:
-    """``args`` with ``--name`` set to ``value`` (``--name V`` or ``--name=V``; appended when
-    absent)."""
-    flag = f"--{name.lstrip('-')}"
+def with_arg(args: list[str], flags: list[str], value: int) -> list[str]:
+    """``args`` with the option ``flags`` names (``--batch-size`` and its aliases, ``-b``)
+    set to ``value`` where one is given (``--name V``, ``--name=V``, ``-bV``); else the first
+    flag appended."""
     out = list(args)
     for i, arg in enumerate(out):
-        if arg == flag and i + 1 < len(out):
-            out[i + 1] = str(value)
-            return out
-        if arg.startswith(flag + "="):
-            out[i] = f"{flag}={value}"
-            return out
-    return [*out, flag, str(value)]
+        for flag in flags:
+            if arg == flag and i + 1 < len(out):
+                out[i + 1] = str(value)
+                return out
+            if arg.startswith(flag + "=") or _attached(arg, flag):
+                out[i] = f"{flag}={value}" if arg.startswith(flag + "=") else f"{flag}{value}"
+                return out
+    return [*out, flags[0], str(value)]
 
 
-def parser_default(script: Path, name: str) -> int | None:
-    """The integer ``default=`` of ``add_argument("--name", ...)`` in ``script``'s source
-    (``--name`` with dashes or underscores), read with ``ast``; None when there is none."""
+def _attached(arg: str, flag: str) -> bool:
+    """Whether ``arg`` is a short option's value written onto it (``-b32``)."""
+    return len(flag) == 2 and flag[1] != "-" and arg.startswith(flag) and arg[2:].isdigit()
+
+
+def _options(name: str) -> set[str]:
+    """``--name`` with dashes or underscores."""
+    bare = name.lstrip("-")
+    return {f"--{bare}", f"--{bare.replace('_', '-')}", f"--{bare.replace('-', '_')}"}
+
+
+def _add_argument(script: Path, name: str) -> Any:
+    """The ``add_argument`` call of ``--name`` in ``script``'s source (an ``ast.Call``, read,
+    never run), or None."""
     import ast
 
-    flags = {f"--{name.lstrip('-')}", f"--{name.lstrip('-').replace('_', '-')}",
-             f"--{name.lstrip('-').replace('-', '_')}"}
+    options = _options(name)
     try:
         tree = ast.parse(script.read_bytes())
     except (OSError, SyntaxError, ValueError):
         return None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "add_argument" \
-                and any(isinstance(a, ast.Constant) and a.value in flags for a in node.args):
-            for keyword in node.keywords:
-                value = getattr(keyword.value, "value", None)
-                if keyword.arg == "default" and type(value) is int and value > 0:
-                    return value
+    return next((node for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
+                 and any(isinstance(a, ast.Constant) and a.value in options
+                         for a in node.args)), None)
+
+
+def parser_default(script: Path, name: str) -> int | None:
+    """The integer ``default=`` of ``add_argument("--name", ...)`` in ``script``'s source
+    (``--name`` with dashes or underscores); None when there is none."""
+    call = _add_argument(script, name)
+    for keyword in getattr(call, "keywords", ()):
+        value = getattr(keyword.value, "value", None)
+        if keyword.arg == "default" and type(value) is int and value > 0:
+            return value
     return None
 
 
-def _value_of(args: list[str], name: str) -> int | None:
-    flag = f"--{name.lstrip('-')}"
+def option_flags(script: Path | None, name: str) -> list[str]:
+    """The flags that set ``--name``: its ``add_argument``'s own option strings in
+    ``script``'s source (``-b``, ``--batch-size``), the long one first; else ``--name``."""
+    call = _add_argument(script, name) if script is not None else None
+    given = [a.value for a in getattr(call, "args", ()) if isinstance(getattr(a, "value", None),
+                                                                     str) and a.value[:1] == "-"]
+    return sorted(given, key=lambda f: not f.startswith("--")) or [f"--{name.lstrip('-')}"]
+
+
+def _value_of(args: list[str], flags: list[str]) -> int | None:
+    """The last value ``args`` give any of ``flags`` (argparse keeps the last)."""
+    found = None
     for i, arg in enumerate(args):
-        text = args[i + 1] if arg == flag and i + 1 < len(args) else \
-            arg.split("=", 1)[1] if arg.startswith(flag + "=") else None
-        if text is not None:
-            return int(text) if text.isdigit() else None
-    return None
+        for flag in flags:
+            text = args[i + 1] if arg == flag and i + 1 < len(args) else \
+                arg.split("=", 1)[1] if arg.startswith(flag + "=") else \
+                arg[2:] if _attached(arg, flag) else None
+            if text is not None:
+                found = int(text) if text.isdigit() else None
+    return found
 
 
 def fit_batch(rerun: Rerun, name: str, budget: int,
@@ -325,7 +363,7 @@ def fit_batch(rerun: Rerun, name: str, budget: int,
     def fits(value: int) -> bool:
         nonlocal runs
         runs += 1
-        peak = rerun.peak(with_arg(rerun.args, name, value))
+        peak = rerun.peak(rerun.with_value(name, value))
         if progress is not None:
             progress(value, peak)
         return peak is not None and peak.reserved <= budget

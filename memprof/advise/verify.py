@@ -17,7 +17,7 @@ from memprof.advise.advice import Advice
 from memprof.advise.peak import Peak
 from memprof.advise.plan import Plan, Step, plan
 from memprof.advise.remedy import Remedy
-from memprof.advise.rerun import Rerun, with_arg
+from memprof.advise.rerun import Rerun
 from memprof.errors import MemprofError
 
 BASELINE = "baseline"
@@ -189,7 +189,7 @@ def _run(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None) -> Pe
             conf = ",".join(filter(None, (rerun.alloc_conf, spec["alloc_conf"])))
         if "micro_batch" in spec and batch_arg is not None:
             batch = rerun.value_of(batch_arg)
-            args = with_arg(rerun.args, batch_arg, batch // spec["micro_batch"])
+            args = rerun.with_value(batch_arg, batch // spec["micro_batch"])
     if "autocast" in apply and rerun.on_cpu:
         apply["autocast_device"] = "cpu"  # the recording's CPU tensors stand in for CUDA's
     return rerun.peak(args, apply, conf, world)

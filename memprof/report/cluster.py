@@ -218,12 +218,13 @@ COMPOSITIONS = 4  # columns of the table of what filled the cards: the worst ran
 
 def _compositions(cluster: Cluster) -> Table | None:
     """What was allocated at each rank's peak, by category: a column per composition
-    (ranks that hold the same bytes share one), the worst rank's first; None for one rank."""
+    (ranks that hold the same bytes share one), the worst rank's first; None for one rank,
+    or where no rank allocated anything."""
     worst = cluster.worst()
     groups: dict[tuple[int, ...], list[int]] = {}
     for r in cluster.written:
         groups.setdefault(tuple(r.categories.get(k, 0) for k in CATEGORIES), []).append(r.rank)
-    if worst is None or len(cluster.written) < 2:
+    if worst is None or len(cluster.written) < 2 or not any(any(held) for held in groups):
         return None
     order = sorted(groups.items(), key=lambda g: (worst.rank not in g[1], g[1][0]))
     t = Table(box=None, header_style="bold", title_justify="left", title_style="bold",

@@ -30,15 +30,21 @@ from memprof.collect.launch.endings import child_script
 _SPAWN_MAIN = "from multiprocessing.spawn import spawn_main; "
 _OURS = "from memprof.collect.launch.children import spawn_main; "
 _DATA_LOADER_WORKER = ("torch.utils.data._utils.worker", "_worker_loop")
+_SPAWNED_RANK = ("torch.multiprocessing.spawn", "_wrap")  # mp.spawn's process target
+
+
+class NestedRanks(RuntimeError):
+    """The script spawns ranks of its own inside a rank a launcher started."""
 
 
 class FollowedChildren:
     """Starts the script's spawn and forkserver children under ``memprof run OPTIONS``,
     each with its run folder in ``folder`` (``folders``, in the order they started)."""
 
-    def __init__(self, folder: Path, options: list[str]) -> None:
+    def __init__(self, folder: Path, options: list[str], ranks: int = 1) -> None:
         self.folder = folder
         self.options = options
+        self.ranks = ranks  # the ranks on this node a launcher started (LOCAL_WORLD_SIZE)
         self.folders: list[Path] = []
         self._next = 1  # the number of the next child's folder
         self._starting = threading.local()  # set while this thread starts a followed child
@@ -69,9 +75,16 @@ class FollowedChildren:
         """A ``Process._Popen``: a DataLoader worker as its kind starts it, any other child
         spawned with memprof's command line."""
         target = getattr(process, "_target", None)
-        if (getattr(target, "__module__", None), getattr(target, "__name__", None)) \
-                == _DATA_LOADER_WORKER:
+        name = (getattr(target, "__module__", None), getattr(target, "__name__", None))
+        if name == _DATA_LOADER_WORKER:
             return own(process)
+        if name == _SPAWNED_RANK and self.ranks > 1:
+            # each would see every card and start as many again, and wait for them forever
+            raise NestedRanks(
+                "the script starts ranks of its own (torch.multiprocessing.spawn) inside one"
+                f" of the {self.ranks} ranks its launcher started: run it with memprof run"
+                " alone, which follows the processes it spawns, not with --nproc-per-node"
+                " or torchrun")
         self._starting.on = True
         try:
             return spawned(process)

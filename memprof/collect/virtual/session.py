@@ -39,7 +39,8 @@ def record(target: Target, options: RunOptions, card: Card, announce: str | None
         "--max-entries", str(options.max_entries),
         # each child stops as the run was asked to (its own steps, its own seconds)
         *(["--steps", str(options.steps)] if options.steps is not None else []),
-        *(["--seconds", repr(options.seconds)] if options.seconds is not None else [])])
+        *(["--seconds", repr(options.seconds)] if options.seconds is not None else [])],
+        count)
     with recorder, gpu, children or contextlib.nullcontext():
         outcome, took = run_profiled(target, options)
     trim()  # what the script freed, before memprof's own work on the trace
