@@ -1029,6 +1029,11 @@ def test_the_answer_names_the_worst_rank_or_the_first_out_of_memory() -> None:
     assert answer(Cluster(failing, "H100")) == (
         "rank 3 raised (exit code 1) after 0 steps: AssertionError; until then: worst rank"
         " 4.50 GiB of 80.00 GiB (rank 1)")
+    # the ranks memprof stopped once it had failed (SIGTERM after the grace) come after it
+    stopped = {"status": "stopped", "code": 143, "error": None}
+    failing[0] = RankPeak(0, ranks[0].report, reserved=3 * gib, context=gib // 2,
+                          total=80 * gib, exit=stopped)
+    assert answer(Cluster(failing, "H100")).startswith("rank 3 raised (exit code 1)")
     error = ("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 3 has a"
              " total capacity of 79.19 GiB ...  See documentation for Memory Management")
     ranks[3] = RankPeak(3, ranks[3].report, steps=1, out_of_memory=True,
@@ -1037,6 +1042,25 @@ def test_the_answer_names_the_worst_rank_or_the_first_out_of_memory() -> None:
     assert answer(Cluster(ranks, "H100")) == (
         "out of memory on rank 3 at step 2: OutOfMemoryError: CUDA out of memory. Tried to"
         " allocate 2.00 GiB. GPU 3 has a total capacity of 79.19 GiB ...")
+
+
+def test_a_rank_waiting_for_another_through_the_store_ends_on_the_launchers_signal(
+        ) -> None:
+    """A rank waits for objects a failed rank will never send (a pipeline's shapes): the
+    launcher's SIGTERM, once it has waited out its grace, ends its script there, as it
+    would anywhere in the script, not after the store's own 30-minute timeout."""
+    import os
+    import signal
+    import threading
+
+    from memprof.collect.launch.endings import Stop, stops
+    from memprof.collect.virtual.objects import _get
+
+    store = dist.HashStore()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with stops(), pytest.raises(Stop) as stopped:
+        _get(store, "never-set")
+    assert (stopped.value.reason, stopped.value.exit_code) == ("SIGTERM", 128 + signal.SIGTERM)
 
 
 def test_each_rank_gets_torchruns_environment() -> None:

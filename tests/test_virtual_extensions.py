@@ -155,6 +155,23 @@ def test_quantised_layer(gpu: VirtualGpu, bnb: object, case: str) -> None:
     assert x.grad is not None and x.grad.shape == x.shape
 
 
+def test_a_4bit_weight_made_of_data_on_the_card_quantises_once(gpu: VirtualGpu,
+                                                               bnb: object) -> None:
+    """transformers 5 loads a QLoRA model's weights onto the card, then makes each a
+    ``Params4bit`` of that data and moves it there again: ``.data`` of the class is a plain
+    tensor, as on a card, so its ``.to()`` quantises once (it recursed without end)."""
+    weight = torch.randn(OUT, IN, dtype=torch.bfloat16, device="cuda")
+    params = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4",  # type: ignore
+                               compress_statistics=False)
+    assert type(params.data) is VirtualTensor
+    held = torch.cuda.memory_allocated()
+    quantised = params.to(weight.device)
+    assert isinstance(quantised, type(params)) and quantised.quant_state is not None
+    assert (quantised.dtype, quantised.numel()) == (torch.uint8, IN * OUT // 2)
+    assert torch.cuda.memory_allocated() - held == (
+        block(IN * OUT // 2) + block(4 * IN * OUT // 64) + NF4_CODE)
+
+
 def test_outlier_columns_at_their_largest(gpu: VirtualGpu, bnb: object) -> None:
     a = torch.zeros(64, IN, device="cuda", dtype=torch.float16)  # too big to hold values
     _, _, outliers = bnb.functional.int8_vectorwise_quant(a, threshold=6.0)  # type: ignore

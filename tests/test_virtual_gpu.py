@@ -259,6 +259,26 @@ def checkpoints(where: Path) -> Result:
     return inline(where, None, "checkpoints", CHECKPOINTS, str(where / "real.pt"))
 
 
+EMA = """\
+import copy, torch
+model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024)).cuda()
+ema = copy.deepcopy(model)  # timm's ModelEmaV3: never run in training, updated in place
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    model(torch.ones(8, 1024, device="cuda")).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for averaged, p in zip(ema.parameters(), model.parameters()):
+            averaged.lerp_(p, 0.001)
+"""
+
+
+@job
+def ema(where: Path) -> Result:
+    return inline(where, "H100", "ema", EMA)
+
+
 MASKED_ATTENTION = """\
 import functools
 import torch
@@ -693,6 +713,17 @@ def test_checkpoints_save_and_load_on_the_virtual_gpu(runs: dict[str, Future[Any
     # back on CUDA (virtual.pt, the save over real.pt, best.pt); the copy mapped to the
     # host is not device memory
     assert len(weights) == 5
+
+
+def test_a_deep_copy_of_a_model_on_the_card_holds_parameters_and_buffers(
+        runs: dict[str, Future[Any]]) -> None:
+    """The model and its EMA copy: twice (1024 x 1024 + 1024 + 2 x 1024) fp32 parameters,
+    twice two fp32 running statistics and an int64 counter as buffers; nothing unlabelled."""
+    finished(runs, "ema")
+    held = device_of(runs["ema"].result()[1])["categories_requested"]
+    assert held["parameters"] == 2 * F32 * (1024 * 1024 + 1024 + 2 * 1024)
+    assert held["buffers"] == 2 * (2 * F32 * 1024 + 8)
+    assert held["other"] == 0
 
 
 def test_a_script_without_cuda_tensors_is_told_so(runs: dict[str, Future[Any]]) -> None:

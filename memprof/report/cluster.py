@@ -166,11 +166,12 @@ def worst_report(folder: Path) -> Path | None:
 
 def answer(cluster: Cluster) -> str:
     """The line that leads: whether the worst rank fits its card, or the first rank that
-    ran out of memory and PyTorch's message for it; first, a rank that failed otherwise,
-    its error, and then only what the ranks held until then (no verdict: the run did not
-    get through)."""
-    failed = next((r for r in cluster.ranks if r.report is None or (
-        not r.out_of_memory and (r.exit or {}).get("code"))), None)
+    ran out of memory and PyTorch's message for it; first, a rank that failed otherwise
+    (one that raised before one memprof stopped once another had failed), its error, and
+    then only what the ranks held until then (no verdict: the run did not get through)."""
+    failed = min((r for r in cluster.ranks if r.report is None or (
+        not r.out_of_memory and (r.exit or {}).get("code"))),
+        key=lambda r: ((r.exit or {}).get("status") == "stopped", r.rank), default=None)
     verdict = _verdict(cluster, failed is not None)
     if failed is None:
         return verdict or "no rank wrote a report"

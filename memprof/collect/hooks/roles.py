@@ -124,15 +124,18 @@ class RoleHooks:
             self._mark_buffers(module)
             return out
         torch.nn.Module._apply = applied  # type: ignore[method-assign]
-        self._deepcopy_orig = deepcopy = torch.nn.Parameter.__deepcopy__
+        self._setstate_orig = setstate = torch.nn.Module.__setstate__
 
-        def copied(param: torch.nn.Parameter, memo: dict[int, Any]) -> torch.nn.Parameter:
-            # a copy of a model (an EMA of its weights, a frozen reference model) holds
-            # parameters too, though its forward may never run in training
-            out = deepcopy(param, memo)
-            self._mark_param(out)
-            return out
-        torch.nn.Parameter.__deepcopy__ = copied  # type: ignore[method-assign]
+        def restored(module: torch.nn.Module, state: dict[str, Any]) -> None:
+            # a deep copy of a model (an EMA of its weights, a frozen reference model), or
+            # one unpickled, holds parameters and buffers too, though its forward may never
+            # run in training
+            setstate(module, state)
+            for p in module._parameters.values():
+                if p is not None:
+                    self._mark_param(p)
+            self._mark_buffers(module)
+        torch.nn.Module.__setstate__ = restored  # type: ignore[method-assign]
 
     def remove(self) -> None:
         """Mark what the seen modules and optimizers hold now, then remove every hook."""
@@ -162,7 +165,7 @@ class RoleHooks:
             self._saved.__exit__()
             _VersionWrapper.__init__ = self._sac_init  # type: ignore[method-assign]
             torch.nn.Module._apply = self._apply_orig  # type: ignore[method-assign]
-            torch.nn.Parameter.__deepcopy__ = self._deepcopy_orig  # type: ignore[method-assign]
+            torch.nn.Module.__setstate__ = self._setstate_orig  # type: ignore[method-assign]
             self._forward.remove()
             for handle in [*self._handles, *self._grad_hooks]:
                 handle.remove()

@@ -19,10 +19,10 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import memprof
@@ -31,24 +31,48 @@ _MEMPROF = str(Path(memprof.__file__).resolve().parent) + os.sep
 _RETRY_S = 0.02
 
 
-class Stop(SystemExit):
-    """Ends the script early; ``reason`` goes to the report as ``run.stopped_by``. A
-    ``SystemExit``: in a process the script started (``torch.multiprocessing.spawn``'s),
-    multiprocessing ends the child with its exit code, as ``sys.exit`` would, where it
-    reports any other exception as a failure; ``last`` is the one raised, for the child's
-    report."""
+class Stop(BaseException):
+    """Ends the script early; ``reason`` goes to the report as ``run.stopped_by``. ``last``:
+    the reason and exit code of the one raised, for a followed child's report
+    (``_ChildStop``; not the exception, whose traceback holds the script's frames)."""
 
-    last: Stop | None = None
+    last: tuple[str, int] | None = None
 
     def __init__(self, reason: str, exit_code: int) -> None:
-        super().__init__(exit_code)
+        super().__init__(reason)
         self.reason = reason
         self.exit_code = exit_code
-        Stop.last = self
+        Stop.last = (reason, exit_code)
+
+
+class _ChildStop(Stop, SystemExit):
+    """A followed child's ``Stop``: in a process the script started (``mp.spawn``'s),
+    multiprocessing ends the child with a ``SystemExit``'s code, as ``sys.exit`` would, where
+    it reports any other exception as a failure."""
+
+    def __init__(self, reason: str, exit_code: int) -> None:
+        super().__init__(reason, exit_code)
+        self.code = exit_code
+
+
+def _stop(reason: str, exit_code: int) -> Stop:
+    """The ``Stop`` to raise in this process's script."""
+    return (_ChildStop if _CHILD[0] == "running" else Stop)(reason, exit_code)
+
+
+_WAITING: set[CodeType] = set()  # memprof's functions that wait: a signal may end them
+
+
+def waiting(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as waiting on another process (a rank's exchange through the store):
+    the launcher's SIGTERM or a Ctrl-C ends the script inside it, as inside the script."""
+    _WAITING.add(fn.__code__)
+    return fn
 
 
 def _in_memprof(frame: FrameType | None) -> bool:
-    return frame is not None and frame.f_code.co_filename.startswith(_MEMPROF)
+    return frame is not None and frame.f_code.co_filename.startswith(_MEMPROF) \
+        and frame.f_code not in _WAITING
 
 
 def _redeliver(signum: int) -> None:
@@ -72,14 +96,14 @@ def _on_terminating(signum: int, frame: FrameType | None) -> None:
     if _in_memprof(frame):
         _redeliver(signum)
         return
-    raise Stop(signal.Signals(signum).name, 128 + signum)
+    raise _stop(signal.Signals(signum).name, 128 + signum)
 
 
 def _on_alarm(signum: int, frame: FrameType | None) -> None:
     if _in_memprof(frame):
         _redeliver(signum)
         return
-    raise Stop("seconds", 0)
+    raise _stop("seconds", 0)
 
 
 _CHILD = ["starting"]  # a followed child's script: "starting", "running", "ended"
@@ -174,7 +198,7 @@ def _step_limit(steps: int) -> Any:
         if pace.at(optimizer) == END:
             done += 1
             if done >= steps:  # (with several optimizers, --steps 1 ends at the first's step)
-                raise Stop("steps", 0)
+                raise _stop("steps", 0)
 
     return register_optimizer_step_post_hook(count)
 

@@ -101,8 +101,8 @@ def run(target: Target) -> Outcome:
         return Outcome("stopped", stop.exit_code, None, stop.reason)
     except SystemExit as exc:
         stop = Stop.last  # a spawned process ends with the code a Stop gave it
-        if stop is not None and exc.code == stop.exit_code:
-            return Outcome("stopped", stop.exit_code, None, stop.reason)
+        if stop is not None and exc.code == stop[1]:
+            return Outcome("stopped", stop[1], None, stop[0])
         return _exit_outcome(exc.code)
     except KeyboardInterrupt:
         _print_user_traceback(hook)

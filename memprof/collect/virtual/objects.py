@@ -23,6 +23,8 @@ import functools
 import inspect
 import os
 import pickle
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from memprof.collect.launch.endings import waiting
 from memprof.collect.launch.ranks import RANKS_RUN
 from memprof.collect.notices import say
 
@@ -56,6 +59,7 @@ class ObjectCollectives:
             "send_object_list", c10d.send_object_list, self._send, before=True)
         wrapped["recv_object_list"] = self._wrap("recv_object_list", c10d.recv_object_list,
                                                  self._recv)
+        wrapped["recv"] = _blocking_recv(c10d.recv)
         return {**{(owner, name): fn for name, fn in wrapped.items() for owner in (c10d, dist)},
                 (c10d, "_tensor_to_object"): _unread}
 
@@ -130,7 +134,7 @@ class ObjectCollectives:
         if dist.get_rank(group) == src:
             store.set(key, pickle.dumps(objects))
             return None
-        return pickle.loads(store.get(key)) if self._runs(group, src) else objects
+        return pickle.loads(_get(store, key)) if self._runs(group, src) else objects
 
     def _scatter(self, group: Any, given: dict[str, Any]) -> None:
         src = _group_rank(group, given.get("src"), given.get("group_src"))
@@ -139,7 +143,7 @@ class ObjectCollectives:
             for r, obj in enumerate(given["scatter_object_input_list"]):
                 store.set(f"{key}/{r}", pickle.dumps(obj))
         if self._runs(group, src):
-            given["scatter_object_output_list"][0] = pickle.loads(store.get(f"{key}/{rank}"))
+            given["scatter_object_output_list"][0] = pickle.loads(_get(store, f"{key}/{rank}"))
 
     def _send(self, group: Any, given: dict[str, Any]) -> None:
         dst = _group_rank(group, given.get("dst"), given.get("group_dst"))
@@ -150,7 +154,7 @@ class ObjectCollectives:
         src = _group_rank(group, given.get("src"), given.get("group_src"))
         key = _pair_key(group, "objects", src, dist.get_rank(group))
         if self._runs(group, src):
-            given["object_list"][:] = pickle.loads(_store(group).get(key))
+            given["object_list"][:] = pickle.loads(_get(_store(group), key))
 
     def _exchange(self, group: Any, key: str, obj: Any, reader: int | None) -> list[Any]:
         """Every rank's ``obj``, by group rank (for ``reader`` only, where one is named)."""
@@ -159,7 +163,7 @@ class ObjectCollectives:
         store.set(f"{key}/{rank}", mine)
         if reader is not None and rank != reader:
             return []
-        return [pickle.loads(store.get(f"{key}/{r}") if self._runs(group, r) else mine)
+        return [pickle.loads(_get(store, f"{key}/{r}") if self._runs(group, r) else mine)
                 for r in range(group.size())]
 
     def _runs(self, group: Any, group_rank: int) -> bool:
@@ -215,7 +219,8 @@ def broadcast_values(group: Any, root: int, tensors: list[torch.Tensor]) -> None
 def p2p_values(sending: bool, group: Any, peer: int, tensors: list[torch.Tensor]) -> None:
     """A send's or recv's small values (``values.py``; the tensors of both are the same
     size) through the group's store: the sender's set, the receiver's replaced where the
-    sender runs (``--ranks``). ``peer``: the other end's group rank."""
+    sender runs (``--ranks``) and the recv waits (``dist.recv``, not ``irecv``). ``peer``:
+    the other end's group rank."""
     from memprof.collect.virtual.values import SMALL
 
     store = _launched_store(group)
@@ -225,8 +230,25 @@ def p2p_values(sending: bool, group: Any, peer: int, tensors: list[torch.Tensor]
     key = _pair_key(group, "values", *((me, peer) if sending else (peer, me)))
     if sending:
         store.set(key, pickle.dumps([getattr(t, "value", None) for t in tensors]))
-    else:
+    elif getattr(_waiting, "on", False):  # an irecv's key is numbered, never waited for
         _received(store, key, group, peer, tensors)
+
+
+_waiting = threading.local()  # set while the script's dist.recv waits for its tensor
+
+
+def _blocking_recv(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``dist.recv``, which waits for its tensor: its small values are waited for too. An
+    ``irecv`` (a pipeline's batched sends and receives) waits for nothing, and gets none:
+    two ranks that each receive before they send would wait on each other forever."""
+    @functools.wraps(original)
+    def recv(*args: Any, **kwargs: Any) -> Any:
+        _waiting.on = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _waiting.on = False
+    return recv
 
 
 def _received(store: Any, key: str, group: Any, sender: int, tensors: list[torch.Tensor]
@@ -236,7 +258,7 @@ def _received(store: Any, key: str, group: Any, sender: int, tensors: list[torch
     run = _ranks_run()
     if run is not None and dist.get_global_rank(group, sender) not in run:
         return
-    for t, value in zip(tensors, pickle.loads(store.get(key)), strict=False):
+    for t, value in zip(tensors, pickle.loads(_get(store, key)), strict=False):
         if isinstance(value, torch.Tensor) and value.shape == t.shape:
             t.value = value.to(t.dtype)  # type: ignore[attr-defined]
 
@@ -263,6 +285,21 @@ def _unread(tensor: Any, size: Any, group: Any) -> None:
 
 def _store(group: Any) -> Any:
     return c10d._world.pg_map[group][1]
+
+
+_POLL_S = 0.05  # the longest pause between looks at the store
+
+
+@waiting
+def _get(store: Any, key: str) -> bytes:
+    """``store.get(key)``, looked for until it is set: a signal (the launcher stopping the
+    ranks once one failed) is handled between looks, where one wait of the store's own
+    timeout (30 minutes) would hold the rank until it ends."""
+    pause = 0.001
+    while not store.check([key]):
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_S)
+    return store.get(key)
 
 
 def _group_rank(group: Any, rank: int | None, group_rank: int | None) -> int:

@@ -9,6 +9,7 @@ tensors stay real; ``scaled_dot_product_attention`` runs the card's kernel
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import types as pytypes
@@ -28,8 +29,8 @@ from memprof.collect.virtual import values
 from memprof.collect.virtual.attention import sdpa
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.dtensors import is_dtensor, on_card, with_local
-from memprof.collect.virtual.subclasses import SET_DATA, kind_of, set_data
-from memprof.collect.virtual.tensor import VirtualTensor, adopt, virtual_like
+from memprof.collect.virtual.subclasses import SET_DATA, kind_of, plain, set_data
+from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor, adopt, virtual_like
 
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
@@ -74,6 +75,13 @@ class CudaRouting(TorchFunctionMode):
             return torch.device("cuda", args[0])  # the current accelerator's: a CPU build has none
         if type(func) is _WRAPPER and func == SET_DATA:  # t.data = v (a method-wrapper)
             return set_data(*args)  # a host t given a virtual v becomes virtual
+        if func is _DEEPCOPY and kind_of(args[0]) is not None:
+            return _deepcopy(*args)
+        if type(func) is _WRAPPER and func == _DATA and type(args[0]) not in _KINDS \
+                and kind_of(args[0]) is not None:
+            # .data of a library's parameter class (bitsandbytes' Params4bit) is a plain
+            # tensor, as on a card: its methods (quantise on .to()) are the class's alone
+            return plain(func(*args, **kwargs))
         if func in _LEGACY_NEW and kind_of(args[0]) is not None and kwargs.get("device") is None:
             return _new(func, args, kwargs)
         if func in _MADE_LIKE and _is_meta(kwargs.get("device")):
@@ -133,6 +141,30 @@ class CudaRouting(TorchFunctionMode):
 
 
 _LEGACY_NEW = (torch.Tensor.new, torch.Tensor.new_tensor)
+_DEEPCOPY = torch.Tensor.__deepcopy__
+_DATA = torch._C.TensorBase.data.__get__  # a new method-wrapper each time: compared by ==
+_KINDS = (VirtualTensor, HostVirtualTensor)
+_OWN = ("elem", "value")  # a virtual tensor's own attributes, not copied
+
+
+def _deepcopy(t: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+    """``copy.deepcopy`` of a virtual tensor (a model's weights copied for an EMA): a clone,
+    allocated on the card as a card's copy is (PyTorch's own copies its storage, which a
+    virtual tensor has none of), with its class, attributes and gradient."""
+    if id(t) in memo:
+        return memo[id(t)]
+    with torch.no_grad():
+        made = t.clone()
+    if type(made) is not type(t):  # a library's parameter class (subclasses.py)
+        made.__class__ = type(t)
+    made.requires_grad_(t.requires_grad)
+    memo[id(t)] = made
+    for name, value in vars(t).items():
+        if name not in _OWN:
+            setattr(made, name, copy.deepcopy(value, memo))
+    if t.grad is not None:
+        made.grad = copy.deepcopy(t.grad, memo)
+    return made
 # the script's tensors made like another, which a device= may put elsewhere
 _MADE_LIKE = frozenset((
     *(getattr(torch, f"{kind}_like") for kind in ("empty", "zeros", "ones", "full", "rand",

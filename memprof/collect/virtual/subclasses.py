@@ -66,8 +66,8 @@ def _as_kind(kind: type[VirtualTensor]) -> Callable[..., Any]:
                  kwargs: dict[str, Any] | None = None) -> Any:
         if func is _DETACH and type(args[0]) is cls:
             return _with_attributes(_on(cls, args[0], False), args[0])
-        plain = tree_map_only(VirtualTensor, _plain, (args, kwargs or {}))
-        return kind.__torch_dispatch__(func, types, *plain)
+        kinds = tree_map_only(VirtualTensor, plain, (args, kwargs or {}))
+        return kind.__torch_dispatch__(func, types, *kinds)
     return dispatch
 
 
@@ -78,7 +78,8 @@ def _with_attributes(made: VirtualTensor, source: torch.Tensor) -> VirtualTensor
     return made
 
 
-def _plain(t: VirtualTensor) -> VirtualTensor:
+def plain(t: VirtualTensor) -> VirtualTensor:
+    """``t`` as its virtual kind itself (a twin's storage, without its class)."""
     kind = kind_of(t)
     return t if type(t) is kind else kind(t.elem, requires_grad=False)  # type: ignore[misc]
 
