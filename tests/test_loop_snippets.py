@@ -136,6 +136,39 @@ def test_optimizer_offload_is_configured_in_the_loops_library(loop: str | None,
     compile(found["offload_optimizer"].snippet, "<snippet>", "exec")
 
 
+@pytest.mark.parametrize("loop", ["transformers", "lightning", "accelerate", None])
+def test_a_zero_3_run_is_offered_offload_at_its_own_stage(loop: str | None) -> None:
+    moment = {**dict.fromkeys(CATEGORIES, 0), OPTIMIZER_STATE: 8 << 20, ACTIVATIONS: 1 << 20}
+    facts = {"trainer": loop, "dtypes": {"float32": 1 << 20}, "autocast": None,
+             "parallelism": {"strategies": ["deepspeed:zero3"], "meshes": []}}
+    found = {r.key: r for r in catalogue(Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0),
+                                         Context(facts, world_size=2))}
+    snippet = found["offload_optimizer"].snippet
+    assert ("stage_3" if loop == "lightning" else "3") in snippet and "2" not in snippet
+    compile(snippet, "<snippet>", "exec")
+
+
+def test_int8_weights_are_offered_for_frozen_fp32_weights_only() -> None:
+    """A QLoRA model (4-bit weights packed as uint8, fp32 adapters and embedding) is not
+    offered INT8 weights; a bf16 model with fp32 adapters neither (nothing frozen is fp32);
+    a frozen fp32 model of 1M weights with 10k trainable saves 3 bytes of each frozen."""
+    params, trainable = 1_000_000, 10_000
+    moment = {**dict.fromkeys(CATEGORIES, 0), PARAMETERS: 4 * params, ACTIVATIONS: 1 << 20}
+    peak = Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0)
+
+    def offered(dtypes: dict[str, int], parameter_bytes: int) -> dict[str, object]:
+        facts = {"parameters": params, "trainable": trainable, "dtypes": dtypes,
+                 "parameter_bytes": parameter_bytes, "autocast": None}
+        return {r.key: r for r in catalogue(peak, Context(facts))}
+
+    assert "int8_frozen" not in offered({"uint8": params // 2, "float32": trainable}, params)
+    assert "int8_frozen" not in offered({"bfloat16": params - trainable, "float32": trainable},
+                                        2 * params)
+    int8 = offered({"float32": params}, 4 * params)["int8_frozen"]
+    assert int8.change(peak).moment[PARAMETERS] == pytest.approx(  # type: ignore[attr-defined]
+        4 * trainable + (params - trainable), abs=1)
+
+
 def test_an_fsdp_run_offloads_with_fsdps_switch_not_deepspeeds() -> None:
     moment = {**dict.fromkeys(CATEGORIES, 0), PARAMETERS: 4 << 20, OPTIMIZER_STATE: 8 << 20,
               ACTIVATIONS: 1 << 20}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_run_cli import F32, block, memprof_run, report
+from test_run_cli import F32, block, memprof_here, memprof_run, report
 
 IN, OUT, BATCH, ONES = 256, 128, 32, 1000
 LINEAR = block(IN * OUT * F32) + block(OUT * F32)
@@ -72,6 +72,12 @@ def test_spawn_and_forkserver_children_each_get_a_virtual_card_and_a_report(
             ) in result.stderr
     assert result.stderr.rstrip().endswith(f"Next: memprof explain {out}/child-1/snapshot.pickle")
     assert "Traceback" not in result.stderr and "made no CUDA tensor, so" not in result.stderr
+    # suggest points at the children's folders, and cannot re-run one alone
+    parent = memprof_here(tmp_path, "suggest", out, "--budget", "1GB")
+    assert parent.code == 2 and f"processes it spawned did: give one of their run folders, such" \
+        f" as {out}/child-1" in parent.stderr
+    child = memprof_here(tmp_path, "suggest", out / "child-1", "--budget", "1KB", "--verify")
+    assert child.code == 2 and "the report of a process the script spawned" in child.stderr
 
 
 STEPPING = """\

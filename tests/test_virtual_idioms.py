@@ -311,6 +311,16 @@ def test_legacy_constructors_and_meta_twins_of_a_cuda_tensor(gpu: VirtualGpu) ->
     assert torch.cuda.memory_allocated() - before == 1024 * 1024 * 4  # the weight alone
 
 
+def test_a_host_copy_of_a_cuda_tensor_takes_a_real_host_gradient(gpu: VirtualGpu) -> None:
+    """DeepSpeed's ZeRO-Offload keeps fp32 partitions on the host and gives them host
+    gradients (``partition.grad = buffer.to(...)``): no error, nothing on the card."""
+    partition = torch.zeros(1 << 20, device="cuda").to("cpu")
+    held = torch.cuda.memory_allocated()
+    partition.grad = torch.zeros(1 << 20)
+    assert partition.grad.shape == (1 << 20,) and partition.grad.device.type == "cpu"
+    assert torch.cuda.memory_allocated() == held
+
+
 def test_a_large_tensors_value_is_a_placeholder_named_by_the_line(
         gpu: VirtualGpu, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
         ) -> None:

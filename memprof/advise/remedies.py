@@ -140,18 +140,20 @@ def _optimizer_state(peak: Peak, ctx: Context) -> list[Remedy]:
 
 
 def _offload_snippet(ctx: Context) -> str:
-    """ZeRO-Offload of the optimizer state, in the switches of the loop's library."""
+    """ZeRO-Offload of the optimizer state, in the switches of the loop's library, at the
+    run's own ZeRO stage where it has one above 2."""
+    stage = max(2, ctx.zero_stage)
     if ctx.trainer:
         return ('TrainingArguments(..., deepspeed={"zero_optimization": {\n'
-                '    "stage": 2, "offload_optimizer": {"device": "cpu"}}})'
+                f'    "stage": {stage}, "offload_optimizer": {{"device": "cpu"}}}}}})'
                 "  # deepspeed installed")
     if ctx.lightning:
-        return f'{ctx.lightning[0]}..., strategy="deepspeed_stage_2_offload")'
+        return f'{ctx.lightning[0]}..., strategy="deepspeed_stage_{stage}_offload")'
     if ctx.loop == "accelerate":
         return ("from accelerate import Accelerator, DeepSpeedPlugin\n\n"
                 "accelerator = Accelerator(..., deepspeed_plugin=DeepSpeedPlugin(\n"
-                '    zero_stage=2, offload_optimizer_device="cpu"))')
-    return ('ds_config = {"zero_optimization": {"stage": 2,\n'
+                f'    zero_stage={stage}, offload_optimizer_device="cpu"))')
+    return (f'ds_config = {{"zero_optimization": {{"stage": {stage},\n'
             '                                   "offload_optimizer": {"device": "cpu"}}}\n'
             "engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,"
             "\n                                               config=ds_config)")
@@ -183,13 +185,18 @@ def _model_state(peak: Peak, ctx: Context) -> list[Remedy]:
             "from peft import LoraConfig, get_peft_model\n\n"
             "# adapters on every linear layer but the output (peft also takes names)\n"
             'model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))'))
-    if params and trainable < params and ctx.model.get("dtypes", {}).get("float32"):
-        frozen_share = (params - trainable) / params
+    dtypes = ctx.model.get("dtypes") or {}
+    # the frozen fp32 weights, at least (the trainable ones taken to be fp32, as adapters
+    # on a half-precision model are): a model quantised already (QLoRA's NF4) is left
+    frozen_fp32 = max(0, min(dtypes.get("float32", 0), params) - trainable)
+    if params and frozen_fp32 and not {"uint8", "int8"} & set(dtypes):
+        share = 4 * frozen_fp32 / ctx.model.get("parameter_bytes", 4 * params)
         found.append(Remedy(
             "int8_frozen", "INT8 weights for the frozen parameters", "quantise", 12,
             "numerics: weight-only quantisation of frozen layers", SEEDS["004"],
-            f"frozen fp32 weights ({frozen_share:.0%} of the parameters) take 1 byte instead"
-            " of 4", lambda p: p.scaled({PARAMETERS: 1 - 0.75 * frozen_share}),
+            f"frozen fp32 weights ({share:.0%} of the parameters' bytes: the fp32 ones but as"
+            " many as train) take 1 byte instead of 4",
+            lambda p: p.scaled({PARAMETERS: 1 - 0.75 * share}),
             "from torchao.quantization import int8_weight_only, quantize_\n\n"
             "quantize_(frozen_part, int8_weight_only())"))
     if params and trainable < params and ctx.transformers and ctx.model.get("pretrained") \

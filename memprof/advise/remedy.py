@@ -66,6 +66,14 @@ class Context:
         return steps if isinstance(steps, int) and steps > 1 else 1
 
     @property
+    def zero_stage(self) -> int:
+        """The DeepSpeed ZeRO stage the run used (``deepspeed:zero<N>``), or 0."""
+        strategies = (self.model.get("parallelism") or {}).get("strategies") or ()
+        return max((int(s[len("deepspeed:zero"):]) for s in strategies
+                    if s.startswith("deepspeed:zero") and s[len("deepspeed:zero"):].isdigit()),
+                   default=0)
+
+    @property
     def pipeline(self) -> dict[str, Any] | None:
         """The pipeline schedule that ran the model (``parallelism.pipeline``), or None."""
         return (self.model.get("parallelism") or {}).get("pipeline")

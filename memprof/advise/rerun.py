@@ -21,6 +21,7 @@ from typing import Any
 from memprof import warm
 from memprof.advise.peak import Peak, peak_of
 from memprof.advise.source import Run
+from memprof.collect.launch.children import FOLLOWED_CODE
 from memprof.errors import MemprofError
 from memprof.report.provenance import signed_here
 from memprof.trace.fields import describe
@@ -52,6 +53,13 @@ class Rerun:
             raise MemprofError(f"{run.path}: not the report of a memprof run (a snapshot or an"
                                " explain report): --verify and --fit-batch re-run its script")
         recorded = [str(c) for c in command[2:]]
+        if given is None and recorded[:1] == ["-c"] and len(recorded) > 1 \
+                and recorded[1].startswith(FOLLOWED_CODE):
+            raise MemprofError(
+                f"{run.path}: the report of a process the script spawned (memprof run followed"
+                " it); its command is multiprocessing's, which cannot run again alone:"
+                " give --rerun-command 'SCRIPT ARGS' with a script that runs its training"
+                " in a process of its own")
         if given is None and not signed_here(facts):
             raise MemprofError(
                 f"{run.path}: --verify and --fit-batch re-run the command a report recorded"
@@ -279,10 +287,10 @@ def _gist(error: str, limit: int = 200) -> str:
 
 def with_arg(args: list[str], flags: list[str], value: int) -> list[str]:
     """``args`` with the option ``flags`` names (``--batch-size`` and its aliases, ``-b``)
-    set to ``value`` where one is given (``--name V``, ``--name=V``, ``-bV``); else the first
-    flag appended."""
+    set to ``value`` where one is given (``--name V``, ``--name=V``, ``-bV``; the last, which
+    argparse keeps); else the first flag appended."""
     out = list(args)
-    for i, arg in enumerate(out):
+    for i, arg in reversed(list(enumerate(out))):
         for flag in flags:
             if arg == flag and i + 1 < len(out):
                 out[i + 1] = str(value)

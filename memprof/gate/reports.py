@@ -65,6 +65,11 @@ def load_report(source: Path, role: str) -> Report:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not valid JSON"
         raise MemprofError(f"{role} {path}: cannot be read ({reason})") from None
     problem = _problem(data)
+    children = sorted(path.parent.glob(f"child-*/{REPORT_NAME}"))
+    if problem == "no devices" and children:
+        raise MemprofError(f"{role} {path}: the script made no CUDA tensor itself; the"
+                           " processes it spawned did: give one of their run folders, such"
+                           f" as {children[0].parent}")
     if problem == "no devices" and isinstance(data.get("run"), dict) \
             and data["run"].get("virtual_gpu"):
         raise MemprofError(f"{role} {path}: the run made no CUDA tensor, so the virtual GPU held"

@@ -28,7 +28,7 @@ from typing import Any
 from memprof.collect.launch.endings import child_script
 
 _SPAWN_MAIN = "from multiprocessing.spawn import spawn_main; "
-_OURS = "from memprof.collect.launch.children import spawn_main; "
+FOLLOWED_CODE = "from memprof.collect.launch.children import spawn_main; "  # a child's -c
 _DATA_LOADER_WORKER = ("torch.utils.data._utils.worker", "_worker_loop")
 _SPAWNED_RANK = ("torch.multiprocessing.spawn", "_wrap")  # mp.spawn's process target
 
@@ -107,7 +107,7 @@ class FollowedChildren:
             self._next += 1
             self.folders.append(folder)
         return [*command[:at], "-m", "memprof", "run", "--child", "--no-timeline",
-                *self.options, "-o", str(folder), "-c", _OURS + code[len(_SPAWN_MAIN):],
+                *self.options, "-o", str(folder), "-c", FOLLOWED_CODE + code[len(_SPAWN_MAIN):],
                 *command[at + 2:]]
 
 

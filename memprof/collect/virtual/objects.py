@@ -57,8 +57,9 @@ class ObjectCollectives:
         wrapped["broadcast_object_list"] = self._wrap_broadcast(c10d.broadcast_object_list)
         wrapped["send_object_list"] = self._wrap(
             "send_object_list", c10d.send_object_list, self._send, before=True)
-        wrapped["recv_object_list"] = self._wrap("recv_object_list", c10d.recv_object_list,
-                                                 self._recv)
+        # waits for its objects however it receives them (use_batch: by irecv)
+        wrapped["recv_object_list"] = _blocking_recv(self._wrap(
+            "recv_object_list", c10d.recv_object_list, self._recv))
         wrapped["recv"] = _blocking_recv(c10d.recv)
         return {**{(owner, name): fn for name, fn in wrapped.items() for owner in (c10d, dist)},
                 (c10d, "_tensor_to_object"): _unread}
@@ -238,9 +239,10 @@ _waiting = threading.local()  # set while the script's dist.recv waits for its t
 
 
 def _blocking_recv(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``dist.recv``, which waits for its tensor: its small values are waited for too. An
-    ``irecv`` (a pipeline's batched sends and receives) waits for nothing, and gets none:
-    two ranks that each receive before they send would wait on each other forever."""
+    """``dist.recv`` (or ``recv_object_list``), which waits for its tensor: its small values
+    are waited for too. An ``irecv`` of the script's (a pipeline's batched sends and
+    receives) waits for nothing, and gets none: two ranks that each receive before they
+    send would wait on each other forever."""
     @functools.wraps(original)
     def recv(*args: Any, **kwargs: Any) -> Any:
         _waiting.on = True

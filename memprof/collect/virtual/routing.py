@@ -29,7 +29,7 @@ from memprof.collect.virtual import values
 from memprof.collect.virtual.attention import sdpa
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.dtensors import is_dtensor, on_card, with_local
-from memprof.collect.virtual.subclasses import SET_DATA, kind_of, plain, set_data
+from memprof.collect.virtual.subclasses import SET_DATA, host_twin, kind_of, plain, set_data
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor, adopt, virtual_like
 
 _META = torch.device("meta")
@@ -75,6 +75,10 @@ class CudaRouting(TorchFunctionMode):
             return torch.device("cuda", args[0])  # the current accelerator's: a CPU build has none
         if type(func) is _WRAPPER and func == SET_DATA:  # t.data = v (a method-wrapper)
             return set_data(*args)  # a host t given a virtual v becomes virtual
+        if type(func) is _WRAPPER and func == _SET_GRAD and kind_of(args[0]) is HostVirtualTensor:
+            # a real host gradient for a host tensor without storage (DeepSpeed's offloaded
+            # fp32 partitions): a host one without storage too, as C++ sees the meta device
+            return func(args[0], host_twin(args[1]))
         if func is _DEEPCOPY and kind_of(args[0]) is not None:
             return _deepcopy(*args)
         if type(func) is _WRAPPER and func == _DATA and type(args[0]) not in _KINDS \
@@ -143,6 +147,7 @@ class CudaRouting(TorchFunctionMode):
 _LEGACY_NEW = (torch.Tensor.new, torch.Tensor.new_tensor)
 _DEEPCOPY = torch.Tensor.__deepcopy__
 _DATA = torch._C.TensorBase.data.__get__  # a new method-wrapper each time: compared by ==
+_SET_GRAD = torch._C.TensorBase.grad.__set__
 _KINDS = (VirtualTensor, HostVirtualTensor)
 _OWN = ("elem", "value")  # a virtual tensor's own attributes, not copied
 

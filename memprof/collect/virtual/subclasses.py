@@ -106,10 +106,8 @@ def set_data(target: torch.Tensor, value: torch.Tensor) -> None:
     """``target.data = value``; a host tensor given a virtual one (or a virtual one given
     the other kind) becomes its class's twin in place, on ``value``'s storage; a virtual
     one given a real host tensor becomes a host one of its shape (and values, if small)."""
-    if kind_of(value) is None and kind_of(target) is not None and value.device.type == "cpu":
-        with torch._C.DisableTorchFunction():
-            value = HostVirtualTensor(value.detach().to("meta"), value=value.detach()
-                                      if values.small(value) else None)
+    if kind_of(target) is not None:
+        value = host_twin(value)
     kind = kind_of(value)
     if kind is not None and kind_of(target) not in (None, kind):
         # virtual on both sides: the same C++ tensor, so the class alone moves it (between
@@ -132,6 +130,17 @@ def set_data(target: torch.Tensor, value: torch.Tensor) -> None:
         raise VirtualGpuUnsupported(
             "moving a real host tensor to the card in place while views of it live",
             str(exc).split(" make sure")[0], "profile this script on a GPU") from None
+
+
+def host_twin(value: Any) -> Any:
+    """A real host tensor as a host tensor without storage, of its shape (and values, if
+    small), for a virtual one to hold; anything else as it is."""
+    if not isinstance(value, torch.Tensor) or kind_of(value) is not None \
+            or value.device.type != "cpu":
+        return value
+    with torch._C.DisableTorchFunction():
+        return HostVirtualTensor(value.detach().to("meta"), value=value.detach()
+                                 if values.small(value) else None)
 
 
 def swapping(swap_tensors: Callable[[torch.Tensor, torch.Tensor], None]
