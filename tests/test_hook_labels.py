@@ -94,6 +94,24 @@ def test_what_a_collective_made_is_a_communication_buffer_unless_it_is_model_sta
                       [5, "temporaries"], [8, "temporaries"]]
 
 
+def test_deepspeed_and_pipeline_buffers_are_communication_unless_model_state() -> None:
+    """DeepSpeed ZeRO-1/2's double bucket (``setup_buckets``): the one the gradients are
+    views of stays gradients, the other is a communication buffer, as DDP's; a pipeline
+    stage's receive buffer, made through ``_make_tensor_from_meta``, is one too."""
+    zero = ("/x/deepspeed/runtime/zero/stage_1_and_2.py", "setup_buckets")
+    first = _made_by(_alloc(0x1000, 512, 10), zero, ("/u/train.py", "main"))
+    second = _made_by(_alloc(0x2000, 512, 11), zero, ("/u/train.py", "main"))
+    received = _made_by(_alloc(0x3000, 512, 12),
+                        ("/x/torch/distributed/pipelining/_utils.py", "_make_tensor_from_meta"),
+                        ("/x/torch/distributed/pipelining/stage.py", "create_recv_tensor"))
+    made = _made_by(_alloc(0x4000, 512, 13),  # a shape inference's input: not received
+                    ("/x/torch/distributed/pipelining/_utils.py", "_make_tensor_from_meta"),
+                    ("/x/torch/distributed/pipelining/_utils.py", "to_tensor"))
+    labels = label_trace([first, second, received, made], [(10, 0x1000, 512, "gradients")])
+    assert labels == [[0, "gradients"], [1, "communication"], [2, "communication"],
+                      [3, "other"]]
+
+
 def test_a_block_too_small_for_the_storage_is_not_its_block() -> None:
     trace = [_alloc(0x1000, 512, 10)]
     assert label_trace(trace, [(11, 0x1000, 513, "parameters")]) == [[0, "other"]]

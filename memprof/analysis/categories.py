@@ -29,12 +29,15 @@ _COMMUNICATION_FILES = ("/torch/distributed/fsdp/", "/torch/distributed/_composa
                         "/torch/distributed/tensor/_redistribute.py",
                         "/torch/distributed/tensor/_collective_utils.py",
                         "/torch/nn/parallel/distributed.py")
-# the flat copy DDP broadcasts the module state in, and a pipeline stage's receive
-# buffers: each microbatch's activations from the stage before, gradients from the one after
+# the flat copy DDP broadcasts the module state in, a pipeline stage's receive buffers
+# (each microbatch's activations from the stage before, gradients from the one after)
 _PIPELINE_STAGE = "/torch/distributed/pipelining/stage.py"
 _COMMUNICATION_CALLS = {("/torch/distributed/utils.py", "_sync_params_and_buffers")} | {
     (_PIPELINE_STAGE, name) for name in (
-        "create_recv_tensor", "_create_grad_recv_info", "_setup_forward_recv_info")}
+        "create_recv_tensor", "_create_grad_recv_info", "_setup_forward_recv_info")} | {
+    # DeepSpeed ZeRO-1/2's gradient-reduction buckets (its overlap_comm double buffer), as
+    # DDP's: the one the gradients are views of stays gradients
+    ("/deepspeed/runtime/zero/stage_1_and_2.py", "setup_buckets")}
 # and not DDP's forward: _DDPSink's clones of the model's outputs (find_unused_parameters,
 # a static graph) are the model's tensors, not a collective's
 _MODEL_CALLS = {("/torch/nn/parallel/distributed.py", "forward")}

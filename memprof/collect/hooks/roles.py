@@ -199,6 +199,9 @@ class RoleHooks:
 
     def _mark_param(self, p: torch.Tensor) -> None:
         self._mark(p, PARAMETERS)
+        shard = p.__dict__.get("ds_tensor")  # DeepSpeed ZeRO-3's partition of it
+        if isinstance(shard, torch.Tensor):
+            self._mark(shard, PARAMETERS)
         # a module's non-leaf "parameter" (FSDP's views in forward) has no gradient to read
         if (p.is_leaf or p.retains_grad) and p.grad is not None:
             self._mark(p.grad, GRADIENTS)
