@@ -73,10 +73,12 @@ class Checkpoints:
         """The attributes to replace while the virtual GPU runs."""
         return {(torch._utils, "_rebuild_wrapper_subclass"): _rebuild, (torch, "load"): self.load,
                 (torch, "save"): self.save,
-                **{(os, name): self._moving(getattr(os, name)) for name in ("replace", "rename")},
-                **{(os, name): self._removing(getattr(os, name)) for name in ("remove", "unlink")},
-                (shutil, "copyfile"): self._copying(shutil.copyfile),
-                (os, "link"): self._copying(os.link),
+                **{(os, name): self._following(getattr(os, name), self._move)
+                   for name in ("replace", "rename")},
+                **{(os, name): self._following(getattr(os, name), self._remove)
+                   for name in ("remove", "unlink")},
+                (shutil, "copyfile"): self._following(shutil.copyfile, self._copy),
+                (os, "link"): self._following(os.link, self._copy),
                 **{(os.path, name): self._found(getattr(os.path, name))
                    for name in ("exists", "isfile")}}
 
@@ -87,39 +89,28 @@ class Checkpoints:
         real = os.path.realpath(path)
         return real if real in self._redirects else None
 
-    def _moving(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """``os.replace``/``os.rename`` of a redirected path: its scratch file moves."""
+    def _following(self, original: Callable[..., Any], instead: Callable[..., Any]
+                   ) -> Callable[..., Any]:
+        """``original(path, ...)``, or ``instead(real path, ...)`` where the run redirected
+        ``path`` (a file operation on it follows its scratch file)."""
         @functools.wraps(original)
-        def move(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
-            real = self._redirected(src)
-            if real is None:
-                return original(src, dst, *args, **kwargs)
-            self._redirects[os.path.realpath(dst)] = self._redirects.pop(real)
-            return None
-        return move
-
-    def _copying(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """``shutil.copyfile``/``os.link`` of a redirected path: a scratch file's copy."""
-        @functools.wraps(original)
-        def copy(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
-            real = self._redirected(src)
-            if real is None:
-                return original(src, dst, *args, **kwargs)
-            scratch = self._scratch_of(dst)
-            self._copyfile(self._redirects[real], scratch)
-            return dst
-        return copy
-
-    def _removing(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        """``os.remove``/``os.unlink`` of a redirected path: its scratch file goes."""
-        @functools.wraps(original)
-        def remove(path: Any, *args: Any, **kwargs: Any) -> Any:
+        def follow(path: Any, *args: Any, **kwargs: Any) -> Any:
             real = self._redirected(path)
-            if real is None:
-                return original(path, *args, **kwargs)
-            self._unlink(self._redirects.pop(real))
-            return None
-        return remove
+            return original(path, *args, **kwargs) if real is None else instead(real, *args)
+        return follow
+
+    def _move(self, real: str, dst: Any, *_: Any) -> None:
+        """``os.replace``/``os.rename``: the scratch file stands for ``dst`` now."""
+        self._redirects[os.path.realpath(dst)] = self._redirects.pop(real)
+
+    def _copy(self, real: str, dst: Any, *_: Any) -> Any:
+        """``shutil.copyfile``/``os.link``: ``dst`` gets a copy of the scratch file."""
+        self._copyfile(self._redirects[real], self._scratch_of(dst))
+        return dst
+
+    def _remove(self, real: str, *_: Any) -> None:
+        """``os.remove``/``os.unlink``: the scratch file goes."""
+        self._unlink(self._redirects.pop(real))
 
     def _found(self, original: Callable[..., bool]) -> Callable[..., bool]:
         @functools.wraps(original)
