@@ -172,6 +172,21 @@ def test_a_4bit_weight_made_of_data_on_the_card_quantises_once(gpu: VirtualGpu,
         block(IN * OUT // 2) + block(4 * IN * OUT // 64) + NF4_CODE)
 
 
+def test_a_4bit_weights_state_is_the_weights_and_it_counts_its_own_weights(
+        gpu: VirtualGpu, bnb: object) -> None:
+    """QLoRA's double-quantised NF4 weight: its scales, the scales' scales and the codes
+    are part of the weight (roles.py marks them parameters), and the model counts IN x OUT
+    weights, not the IN x OUT / 2 bytes they are packed in."""
+    from memprof.collect.hooks.model_facts import model_facts, quantisation_state
+
+    make, expected = LAYERS["Linear4bit nf4, double quantisation (the default; QLoRA's)"]
+    layer = make(bnb).cuda()
+    state = quantisation_state(layer.weight)
+    assert sum(block(t.numel() * t.element_size()) for t in state) == \
+        expected - block(IN * OUT // 2) - DYNAMIC_MAP  # the process's map is no weight's
+    assert model_facts([layer], [], None, {})["parameters"] == IN * OUT
+
+
 def test_outlier_columns_at_their_largest(gpu: VirtualGpu, bnb: object) -> None:
     a = torch.zeros(64, IN, device="cuda", dtype=torch.float16)  # too big to hold values
     _, _, outliers = bnb.functional.int8_vectorwise_quant(a, threshold=6.0)  # type: ignore

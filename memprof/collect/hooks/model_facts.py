@@ -35,7 +35,7 @@ def model_facts(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
     for p in params.values():
         dtypes[str(p.dtype).removeprefix("torch.")] += p.numel()
     return {
-        "parameters": sum(p.numel() for p in params.values()),
+        "parameters": sum(_weights(p) for p in params.values()),
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params.values()),
         "trainable": sum(p.numel() for p in params.values() if p.requires_grad),
         "dtypes": dict(dtypes),
@@ -49,6 +49,27 @@ def model_facts(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
         "pretrained": any(bool(getattr(getattr(m, "config", None), "_name_or_path", ""))
                           for m in modules),
     }
+
+
+def quantisation_state(p: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors of a quantised weight's state (bitsandbytes' ``Params4bit.quant_state``:
+    its absmax scales, code, and their own nested state), none for another weight."""
+    state = p.__dict__.get("quant_state")
+    found: list[torch.Tensor] = []
+    for value in vars(state).values() if hasattr(state, "__dict__") else ():
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif type(value) is type(state):  # the double quantisation's nested state
+            found += [v for v in vars(value).values() if isinstance(v, torch.Tensor)]
+    return found
+
+
+def _weights(p: torch.Tensor) -> int:
+    """The weights ``p`` holds: its elements, or a packed 4-bit weight's own count (two to a
+    byte, its ``quant_state.shape``)."""
+    shape = getattr(p.__dict__.get("quant_state"), "shape", None)
+    return int(torch.Size(shape).numel()) if isinstance(shape, (tuple, torch.Size)) \
+        else p.numel()
 
 
 def _optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from memprof.collect.hooks.block_saves import BlockSaves
 from memprof.collect.hooks.forward_facts import ForwardFacts
-from memprof.collect.hooks.model_facts import model_facts
+from memprof.collect.hooks.model_facts import model_facts, quantisation_state
 from memprof.collect.hooks.parallelism import merged, parallelism, pipeline_of
 from memprof.collect.hooks.step_pace import END, MOVE, StepPace
 from memprof.collect.hooks.weak_ids import WeakIdMap
@@ -202,6 +202,8 @@ class RoleHooks:
         shard = p.__dict__.get("ds_tensor")  # DeepSpeed ZeRO-3's partition of it
         if isinstance(shard, torch.Tensor):
             self._mark(shard, PARAMETERS)
+        for t in quantisation_state(p):  # a 4-bit weight's scales and code are the weight's
+            self._mark(t, PARAMETERS)
         # a module's non-leaf "parameter" (FSDP's views in forward) has no gradient to read
         if (p.is_leaf or p.retains_grad) and p.grad is not None:
             self._mark(p.grad, GRADIENTS)
