@@ -148,6 +148,17 @@ def test_a_zero_3_run_is_offered_offload_at_its_own_stage(loop: str | None) -> N
     compile(snippet, "<snippet>", "exec")
 
 
+def test_a_deepspeed_run_is_not_offered_pure_bf16() -> None:
+    """DeepSpeed keeps fp32 master weights and optimizer state in bf16 too: halving them is
+    no model of it; autocast's halved forward is."""
+    moment = {**dict.fromkeys(CATEGORIES, 0), OPTIMIZER_STATE: 8 << 20, ACTIVATIONS: 8 << 20}
+    facts = {"trainer": "transformers", "dtypes": {"float32": 1 << 20}, "autocast": None,
+             "parallelism": {"strategies": ["deepspeed:zero3"], "meshes": []}}
+    keys = {r.key for r in catalogue(Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0),
+                                     Context(facts, world_size=2))}
+    assert "autocast" in keys and "pure_bf16" not in keys
+
+
 def test_int8_weights_are_offered_for_frozen_fp32_weights_only() -> None:
     """A QLoRA model (4-bit weights packed as uint8, fp32 adapters and embedding) is not
     offered INT8 weights; a bf16 model with fp32 adapters neither (nothing frozen is fp32);

@@ -94,8 +94,13 @@ def precision_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
                             **({} if amp else {ACTIVATIONS: 0.5, TEMPORARIES: 0.5})}),
         f'{ctx.lightning[0]}..., precision="bf16-true")' if ctx.lightning else
         "model = model.to(torch.bfloat16)  # before the optimizer is built")
+    # DeepSpeed keeps fp32 master weights and optimizer state whatever the model's dtype:
+    # pure bf16's model of the state does not hold there, autocast's of the forward does
+    deepspeed = any(str(s).startswith("deepspeed") for s in (
+        ctx.model.get("parallelism") or {}).get("strategies") or ())
+    kept = [] if deepspeed else [pure]
     if amp or not busy:
-        return [pure]
+        return kept
 
     share = ctx.autocast_share
     autocast = _halved_autocast if share is None else _traced(share)
@@ -114,7 +119,7 @@ def precision_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
         'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
         "    loss = compute_loss(model, batch)  # the forward pass and the loss only\n"
         "loss.backward()",
-        {"autocast": "bfloat16"}), pure]
+        {"autocast": "bfloat16"}), *kept]
 
 
 def _single(share: float) -> list[Remedy]:
