@@ -211,6 +211,7 @@ def test_a_batch_flag_is_read_and_set_under_any_of_its_aliases(tmp_path) -> None
     assert rerun("-b32").value_of("batch-size") == 32
     assert rerun("-b32").with_value("batch-size", 8) == ["--dummy", "-b8"]
     assert rerun("--batch-size=64").with_value("batch-size", 8) == ["--dummy", "--batch-size=8"]
+    assert rerun("-b", "32").value_of("b") == 32  # --batch-arg b names the short flag
     assert rerun().value_of("batch-size") == 256  # the default, read from the source
     assert rerun().with_value("batch-size", 8) == ["--dummy", "--batch-size", "8"]
 

@@ -307,9 +307,10 @@ def _attached(arg: str, flag: str) -> bool:
 
 
 def _options(name: str) -> set[str]:
-    """``--name`` with dashes or underscores."""
+    """``--name`` with dashes or underscores (a one-letter name: ``-n`` too)."""
     bare = name.lstrip("-")
-    return {f"--{bare}", f"--{bare.replace('_', '-')}", f"--{bare.replace('-', '_')}"}
+    return {f"--{bare}", f"--{bare.replace('_', '-')}", f"--{bare.replace('-', '_')}",
+            *([f"-{bare}"] if len(bare) == 1 else [])}
 
 
 def _add_argument(script: Path, name: str) -> Any:
