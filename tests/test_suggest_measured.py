@@ -178,7 +178,8 @@ def test_a_batch_flag_left_at_its_default_is_read_from_the_scripts_parser(tmp_pa
     read from the source (the script is not run to read it)."""
     from test_run_cli import ROOT, SAMPLES
 
-    from memprof.advise.rerun import Rerun, parser_default
+    from memprof.advise.rerun import Rerun
+    from memprof.advise.script_flags import parser_default
     from memprof.errors import MemprofError
 
     rerun = Rerun([str(SAMPLES / "mlp_adam.py"), "--hidden", "40"], ["--device", "cpu"], None,
