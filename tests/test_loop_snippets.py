@@ -205,3 +205,48 @@ def test_fsdp1_hybrid_shard_is_offered_fsdp_over_every_rank() -> None:
     assert flat.change(peak).at_step[OPTIMIZER_STATE] == (8 << 20) // 2
     assert "ShardingStrategy.FULL_SHARD" in flat.snippet and flat.verify == {"flat_mesh": True}
     compile(flat.snippet, "<snippet>", "exec")
+
+
+@pytest.mark.parametrize(("stage", "overlap", "buffers"), [(2, True, 2), (2, False, 1),
+                                                           (3, True, 1)])
+def test_deepspeeds_reduce_buckets_are_offered_smaller(stage: int, overlap: bool,
+                                                       buffers: int) -> None:
+    """Lightning's DeepSpeed default (2e8-element buckets, overlap_comm) over a bf16 model:
+    ZeRO-2 holds two buckets (the gradients' and a communication buffer), ZeRO-3 one; each
+    shrinks to 5e7 elements of 2 bytes. The engine's config is read from the engine."""
+    import torch
+
+    from memprof.collect.hooks.parallelism import parallelism
+
+    class DeepSpeedEngine(torch.nn.Module):  # the engine's own methods, as DeepSpeed's
+        def zero_optimization_stage(self) -> int:
+            return stage
+
+        def zero_reduce_bucket_size(self) -> int:
+            return 200_000_000
+
+        def zero_overlap_comm(self) -> bool:
+            return overlap
+
+    facts = parallelism([DeepSpeedEngine()])
+    assert facts == {"strategies": [f"deepspeed:zero{stage}"], "meshes": [], "deepspeed": {
+        "reduce_bucket_size": 200_000_000, "overlap_comm": overlap}}
+    bucket = 200_000_000 * 2
+    moment = {**dict.fromkeys(CATEGORIES, 0), PARAMETERS: 8 << 20, ACTIVATIONS: 1 << 20,
+              "gradients": bucket + (4 << 20), "communication": bucket if buffers == 2 else 0}
+    peak = Peak(moment, moment, 0.0)
+    context = Context({"trainer": "lightning", "dtypes": {"bfloat16": 1 << 22},
+                       "autocast": None, "parallelism": facts}, world_size=2)
+    remedy = {r.key: r for r in catalogue(peak, context)}["zero_buckets"]
+    saved = (200_000_000 - 50_000_000) * 2
+    assert remedy.change(peak).moment == {**moment, "gradients": moment["gradients"] - saved,
+                                          "communication": moment["communication"]
+                                          - saved * (buffers == 2)}
+    assert f"DeepSpeedStrategy(stage={stage}, reduce_bucket_size=50_000_000" in remedy.snippet
+    compile(remedy.snippet, "<snippet>", "exec")
+    # buckets already small, or bytes the categories do not hold: not offered
+    small = {**facts, "deepspeed": {"reduce_bucket_size": 50_000_000, "overlap_comm": overlap}}
+    other = Context({**context.model, "parallelism": small}, world_size=2)
+    assert "zero_buckets" not in {r.key for r in catalogue(peak, other)}
+    empty = Peak({**moment, "gradients": 0}, {**moment, "gradients": 0}, 0.0)
+    assert "zero_buckets" not in {r.key for r in catalogue(empty, context)}

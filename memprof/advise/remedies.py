@@ -18,6 +18,7 @@ from memprof.advise.pipeline import pipeline_remedies
 from memprof.advise.precision import precision_remedies
 from memprof.advise.remedy import SEEDS, Context, Remedy
 from memprof.advise.sharding import sharding_remedies
+from memprof.advise.zero_buckets import bucket_remedies
 from memprof.analysis.blocks import MIN_BLOCK
 from memprof.collect.hooks.model_facts import SMALL_TENSOR
 from memprof.trace.model import (
@@ -41,7 +42,7 @@ def catalogue(peak: Peak, ctx: Context) -> list[Remedy]:
     if peak.busy and not ctx.pipeline:  # a schedule's microbatches are not the script's
         found += _micro_batches(ctx)
     found += _optimizer_state(peak, ctx) + sharding_remedies(peak, ctx)
-    found += pipeline_remedies(peak, ctx)
+    found += pipeline_remedies(peak, ctx) + bucket_remedies(peak, ctx)
     found += _model_state(peak, ctx)
     found += _allocator(peak, ctx) + _hygiene(peak, ctx)
     return found + forward_remedies(peak, ctx)

@@ -204,7 +204,8 @@ MODEL = record(
     parallelism=optional(record(strategies=items(TEXT), meshes=items(record(
         shape=items(COUNT), dims=items(TEXT), placements=optional(items(TEXT)))),
         param_dtype=optional(TEXT), pipeline=optional(record(
-            schedule=TEXT, microbatches=COUNT, stages=COUNT, stage=COUNT)))),
+            schedule=TEXT, microbatches=COUNT, stages=COUNT, stage=COUNT)),
+        deepspeed=optional(record(reduce_bucket_size=COUNT, overlap_comm=FLAG)))),
 )
 RUN = record(
     command=items(TEXT), started=TEXT, cwd=TEXT, launcher_env=optional(table(TEXT)),

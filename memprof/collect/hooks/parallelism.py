@@ -2,8 +2,9 @@
 hooks saw: the wrappers and strategies (DDP, FSDP1 with its sharding strategy, FSDP2's
 ``fully_shard``, DeepSpeed's engine with its ZeRO stage) and the device meshes its DTensor
 parameters live on (FSDP2, tensor parallel, HSDP: their shape, dimension names and how
-each dimension places the parameters), and the dtype FSDP's mixed precision computes in;
-and the pipeline schedule (``torch.distributed.pipelining``) that ran a forward.
+each dimension places the parameters), the dtype FSDP's mixed precision computes in and
+DeepSpeed's reduce buckets; and the pipeline schedule (``torch.distributed.pipelining``)
+that ran a forward.
 
     parallelism(modules)  # {"strategies": ["fsdp2"], "meshes": [{"shape": [8], ...}]}
     pipeline_of(frame)    # {"strategies": ["pipeline"], "pipeline": {"schedule": ...}}
@@ -25,11 +26,14 @@ def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
     strategies: set[str] = set()
     meshes: dict[tuple[Any, ...], dict[str, Any]] = {}
     computes: set[str] = set()
+    buckets: dict[str, Any] | None = None  # DeepSpeed's gradient-reduction buckets
     for module in modules:
         strategy = _strategy(module)
         if strategy is not None:
             strategies.add(strategy)
             computes.update(_param_dtype(module))
+        if strategy is not None and strategy.startswith("deepspeed"):
+            buckets = _deepspeed_buckets(module)
         if strategy in HYBRID_STRATEGIES:  # FSDP1's replica and shard groups: a 2-D mesh
             replicas, shards = (_group_size(module, name)
                                 for name in ("_inter_node_pg", "process_group"))
@@ -48,8 +52,12 @@ def parallelism(modules: Iterable[torch.nn.Module]) -> dict[str, Any] | None:
                                    "placements": placements})
     if not strategies and not meshes:
         return None
-    found = {"strategies": sorted(strategies), "meshes": list(meshes.values())}
-    return {**found, "param_dtype": computes.pop()} if len(computes) == 1 else found
+    found: dict[str, Any] = {"strategies": sorted(strategies), "meshes": list(meshes.values())}
+    if len(computes) == 1:
+        found["param_dtype"] = computes.pop()
+    if buckets:
+        found["deepspeed"] = buckets
+    return found
 
 
 FSDP_PACKAGE = "torch.distributed.fsdp"
@@ -62,7 +70,7 @@ def merged(seen: dict[str, Any] | None, now: dict[str, Any] | None) -> dict[str,
     meshes = list(seen["meshes"])
     meshes += [mesh for mesh in now["meshes"] if mesh not in meshes]
     both = {"strategies": sorted({*seen["strategies"], *now["strategies"]}), "meshes": meshes}
-    for key in ("param_dtype", "pipeline"):
+    for key in ("param_dtype", "pipeline", "deepspeed"):
         if value := now.get(key) or seen.get(key):
             both[key] = value
     return both
@@ -123,6 +131,16 @@ def _strategy(module: torch.nn.Module) -> str | None:
         stage = getattr(module, "zero_optimization_stage", None)
         return f"deepspeed:zero{stage()}" if callable(stage) else "deepspeed"
     return None
+
+
+def _deepspeed_buckets(engine: torch.nn.Module) -> dict[str, Any] | None:
+    """A DeepSpeed engine's gradient-reduction buckets: ``reduce_bucket_size`` (elements)
+    and ``overlap_comm`` (ZeRO-1/2 double them), as its config set them."""
+    try:
+        size, overlap = engine.zero_reduce_bucket_size(), engine.zero_overlap_comm()
+    except (AttributeError, TypeError, KeyError):
+        return None
+    return {"reduce_bucket_size": int(size), "overlap_comm": bool(overlap)}
 
 
 def _param_dtype(module: torch.nn.Module) -> list[str]:
