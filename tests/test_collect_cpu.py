@@ -556,18 +556,26 @@ def test_a_deep_copy_of_a_model_holds_parameters_though_its_forward_never_runs()
 
 def test_a_deepspeed_zero_3_partition_of_a_parameter_is_the_parameters():
     """ZeRO-3 keeps each parameter's partition as ``param.ds_tensor`` (views of one flat
-    buffer), the parameter itself emptied: the partition is parameters, not other."""
+    buffer), the parameter itself emptied, and the gradients' partitions in a flat buffer
+    of its optimizer's: parameters and gradients, not other."""
     from memprof.analysis.explain import explain
     from memprof.collect.recording import predict_cuda_layout
     from memprof.trace.model import AllocatorSettings
     from memprof.trace.normalize import normalize
 
+    class ZeroOptimizer:  # DeepSpeed's ZeRO-3 optimizer, as the engine holds it
+        grad_partitions_flat_buffer: torch.Tensor
+
     model = nn.Linear(256, 256, bias=False)
     with CpuRecorder() as recorder:
         flat = torch.empty(256 * 256 // 2)  # this rank's half, as defragment() makes it
         model.weight.ds_tensor = flat.narrow(0, 0, flat.numel())
+        # the gradients' partitions: the optimizer steps on copies of them
+        model.optimizer = ZeroOptimizer()
+        model.optimizer.grad_partitions_flat_buffer = torch.zeros(256 * 256 // 2)
         model(torch.ones(4, 256))
     snapshot, _ = predict_cuda_layout(recorder.snapshot(), AllocatorSettings())
     timeline = explain(normalize(snapshot)).devices[0].category_timeline
     assert int(timeline["parameters"].max()) == 256 * 256 // 2 * 4
+    assert int(timeline["gradients"].max()) == 256 * 256 // 2 * 4
     assert int(timeline["other"].max()) == 0

@@ -156,6 +156,8 @@ class RoleHooks:
                             if p is not None:
                                 self._mark_param(p)
                         self._mark_buffers(sub)
+                        for g in _zero_gradient_partitions(sub):
+                            self._mark(g, GRADIENTS)
             for optimizer in list(self._optimizers):
                 for group in optimizer.param_groups:
                     for p in group["params"]:
@@ -323,6 +325,13 @@ def _fsdp_shards(module: torch.nn.Module) -> list[torch.Tensor]:
         return [] if group is None else [p.sharded_param for p in group.fsdp_params]
     except (AttributeError, AssertionError):  # another torch's FSDP2, or no state yet
         return []
+
+
+def _zero_gradient_partitions(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A DeepSpeed ZeRO-3 engine's flat buffer of this rank's gradient partitions, which the
+    optimizer steps on copies of; none for another module."""
+    buffer = getattr(module.__dict__.get("optimizer"), "grad_partitions_flat_buffer", None)
+    return [buffer] if isinstance(buffer, torch.Tensor) else []
 
 
 def _addresses(module: torch.nn.Module) -> tuple[int, ...] | None:
