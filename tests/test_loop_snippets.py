@@ -250,3 +250,16 @@ def test_deepspeeds_reduce_buckets_are_offered_smaller(stage: int, overlap: bool
     assert "zero_buckets" not in {r.key for r in catalogue(peak, other)}
     empty = Peak({**moment, "gradients": 0}, {**moment, "gradients": 0}, 0.0)
     assert "zero_buckets" not in {r.key for r in catalogue(empty, context)}
+
+
+def test_lightning_gets_its_optimizers_in_configure_optimizers() -> None:
+    moment = {**dict.fromkeys(CATEGORIES, 0), OPTIMIZER_STATE: 8 << 20, ACTIVATIONS: 1 << 20}
+    facts = {"trainer": "lightning", "dtypes": {"float32": 1 << 20}, "autocast": None,
+             "optimizers": [{"class": "AdamW"}], "trainable_numels": [1 << 20]}
+    found = {r.key: r for r in catalogue(Peak(moment, dict.fromkeys(CATEGORIES, 0), 0.0),
+                                         Context(facts))}
+    for key in ("optimizer_8bit", "optimizer_sgd", "optimizer_adafactor"):
+        snippet = found[key].snippet
+        assert "def configure_optimizers(self):" in snippet and "self.parameters()" in snippet
+        assert "model.parameters()" not in snippet
+        compile(snippet, "<snippet>", "exec")

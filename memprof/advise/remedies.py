@@ -161,9 +161,15 @@ def _offload_snippet(ctx: Context) -> str:
 
 
 def _optim(ctx: Context, trainer_name: str, snippet: str) -> str:
-    """An optimizer's snippet: the Trainer's ``optim`` name where it steps the optimizer."""
+    """An optimizer's snippet (``optimizer = ...`` after its imports): the Trainer's
+    ``optim`` name where it steps the optimizer, Lightning's ``configure_optimizers``."""
     if ctx.trainer:
         return f'TrainingArguments(..., optim="{trainer_name}")'
+    if ctx.loop == "lightning":
+        *imports, made = snippet.split("\n")
+        made = made.removeprefix("optimizer = ").replace("model.parameters()", "self.parameters()")
+        return "\n".join([*imports, "def configure_optimizers(self):  # your LightningModule's",
+                          f"    return {made}"]).lstrip("\n")
     return snippet
 
 
