@@ -227,3 +227,20 @@ def test_what_selective_checkpointing_saves_is_activations():
     outputs = 4 * 512 * 256 * 4
     assert _activations_peak(partial(create_selective_checkpoint_contexts, policy)) >= outputs
     assert _activations_peak(None) < outputs / 2
+
+
+def test_verifys_autocast_wraps_forwards_but_not_torch_exports_trace():
+    """``--verify``'s autocast around each outermost forward is not entered while
+    ``torch.export`` traces the model (pipelining's ``pipeline()`` splits it so): the
+    graph is the model's own, and the stages' forwards are wrapped when they run."""
+    from torch import nn
+
+    from memprof.collect.launch.apply import applied
+
+    model = nn.Linear(8, 8)
+    with applied({"autocast": "bfloat16", "autocast_device": "cpu"}):
+        exported = torch.export.export(model, (torch.ones(2, 8),))
+        ran = model(torch.ones(2, 8))
+    ops = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert not any("autocast" in op or "_to_copy" in op for op in ops), ops
+    assert ran.dtype == torch.bfloat16
