@@ -45,7 +45,6 @@ class ObjectCollectives:
     """The object collectives, exchanging pickles through each group's store."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, int] = {}  # per group: object collectives so far
         self._run = _ranks_run()
         self._told = False
 
@@ -114,9 +113,8 @@ class ObjectCollectives:
         return broadcast_object_list
 
     def _key(self, group: Any) -> str:
-        name = group.group_name
-        self._calls[name] = n = self._calls.get(name, 0) + 1
-        return f"{_PREFIX}/{n}"
+        """The next object collective's key in ``group``."""
+        return _next(f"{_PREFIX}/{group.group_name}")
 
     def _all_gather(self, group: Any, given: dict[str, Any]) -> None:
         given["object_list"][:] = self._exchange(group, self._key(group), given["obj"], None)
