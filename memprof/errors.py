@@ -10,3 +10,9 @@ class MemprofError(Exception):
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
+
+
+class Refusal(RuntimeError):
+    """memprof refusing, inside the script's own call, to go on with a script as it was
+    launched: the script ends there as if it raised, and the message is said in one line,
+    without a traceback (by rank 0 alone)."""

@@ -117,5 +117,5 @@ def test_ranks_spawned_inside_a_launched_rank_are_refused_in_one_line(tmp_path: 
     class Process:
         _target = importlib.import_module("torch.multiprocessing.spawn")._wrap
 
-    with pytest.raises(NestedRanks, match="run it with memprof run alone"):
+    with pytest.raises(NestedRanks, match="run it with memprof run --cards 2 alone"):
         FollowedChildren(tmp_path, [], ranks=2)._start(None, None, Process())

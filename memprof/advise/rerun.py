@@ -24,6 +24,7 @@ from memprof.advise.script_flags import flag_value, option_flags, parser_default
 from memprof.advise.source import Run
 from memprof.collect.launch.children import FOLLOWED_CODE
 from memprof.errors import MemprofError
+from memprof.report.cluster import rank_reports
 from memprof.report.provenance import signed_here
 from memprof.trace.fields import describe
 
@@ -54,8 +55,12 @@ class Rerun:
             raise MemprofError(f"{run.path}: not the report of a memprof run (a snapshot or an"
                                " explain report): --verify and --fit-batch re-run its script")
         recorded = [str(c) for c in command[2:]]
-        if given is None and recorded[:1] == ["-c"] and len(recorded) > 1 \
-                and recorded[1].startswith(FOLLOWED_CODE):
+        spawned = given is None and recorded[:1] == ["-c"] and len(recorded) > 1 \
+            and recorded[1].startswith(FOLLOWED_CODE)
+        if spawned and (spawner := _spawner(run)) is not None:
+            facts = spawner  # a rank mp.spawn started: its world is the spawner's to re-run
+            recorded = [str(c) for c in facts["command"][2:]]
+        elif spawned:
             raise MemprofError(
                 f"{run.path}: the report of a process the script spawned (memprof run followed"
                 " it); its command is multiprocessing's, which cannot run again alone:"
@@ -74,8 +79,8 @@ class Rerun:
             raise MemprofError(f"{run.path}: run.allocator_conf is not allocator settings")
         cwd = facts.get("cwd") if given is None else None
         env = facts.get("launcher_env") if given is None else None
-        rerun = cls(given or recorded, where, _steps_to_peak(run), conf, cwd, _rank(run, where),
-                    env)
+        rank = _rank(run, where, facts.get("cards") if spawned else None)
+        rerun = cls(given or recorded, where, _steps_to_peak(run), conf, cwd, rank, env)
         if rerun.target[0] not in ("-m", "-c") and not Path(cwd or ".", rerun.script).is_file():
             where_from = f"from {cwd}, where it ran" if cwd else \
                 "from here (run memprof suggest in the folder memprof run ran in)"
@@ -101,7 +106,7 @@ class Rerun:
             env = {**os.environ, **(self.env or {}), "MEMPROF_APPLY": json.dumps(apply or {})}
             done = warm.run(args, self.cwd or os.getcwd(), env)
             reports = [out / "report.json"] if self.rank is None else \
-                sorted(out.glob("rank-*/report.json"))
+                list(rank_reports(out).values())
             if not reports or not all(report.is_file() for report in reports):
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 raise MemprofError(f"re-running {' '.join(target)} failed: {_gist(last)}")
@@ -162,6 +167,7 @@ class Rank:
     per_node: int
     # every rank must run: a pipeline's stages wait for each other's shapes and values
     whole: bool = False
+    spawned: bool = False  # a process the script started (mp.spawn), one per virtual card
 
     def options(self, where: list[str], world: int | None = None) -> list[str]:
         """The ``memprof run`` options that launch the world again: on virtual cards this
@@ -170,6 +176,8 @@ class Rank:
         node) and runs its first and last ranks and this one's index, where it still is
         one."""
         virtual = where[0] == "--virtual-gpu"
+        if self.spawned:  # the script starts a rank per card it sees
+            return ["--cards", str(world or self.per_node)]
         nodes, per_node, ranks = self.nodes, self.per_node, str(self.rank)
         if world is not None and world != nodes * per_node:
             if not virtual:
@@ -194,14 +202,32 @@ def _worst(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return failed[0] if failed else max(reports, key=reserved)
 
 
-def _rank(run: Run, where: list[str]) -> Rank | None:
+def _spawner(run: Run) -> dict[str, Any] | None:
+    """The ``run`` facts of the run whose script spawned ``run``'s process as a rank of its
+    world, one per virtual card (``memprof run --cards N``); None where it was not one."""
+    from memprof.report.checked import first_problem
+
+    if (run.facts.get("world_size") or 1) < 2:
+        return None
+    with contextlib.suppress(OSError, ValueError, RecursionError):
+        data = json.loads((run.path.parent.parent / "report.json").read_bytes())
+        if isinstance(data, dict) and not first_problem(data) \
+                and isinstance(data["run"].get("cards"), int):
+            return data["run"]
+    return None
+
+
+def _rank(run: Run, where: list[str], cards: int | None = None) -> Rank | None:
     """The rank ``run`` is of a distributed run, and its layout (from the ``cluster.json``
-    beside its folder, else one node), or None for a single process."""
+    beside its folder, else one node), or None for a single process; with ``cards``, a
+    rank the script spawned on one of that many cards."""
     from memprof.cli.run_cluster import CLUSTER_FILE
 
     world, rank = run.facts.get("world_size") or 1, run.facts.get("rank") or 0
     if world == 1:
         return None
+    if cards is not None:
+        return Rank(rank, 1, cards, spawned=True)
     nodes, per_node = 1, world
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
         layout = json.loads((run.path.parent.parent / CLUSTER_FILE).read_text())

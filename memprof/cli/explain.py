@@ -154,19 +154,21 @@ def _is_dir(path: Path) -> bool:
 
 def _snapshots(path: Path, is_dir: bool) -> list[tuple[int | None, Path]]:
     """The snapshot file, or the snapshots of a run folder with their ranks."""
+    from memprof.report.cluster import rank_reports
     from memprof.report.run_folder import rank_of
 
     if not is_dir:
         return [(None, path)]
-    try:
-        found = sorted(path.glob("snapshot*.pickle")) or sorted(  # a cluster's: per rank
-            p for p in path.glob("rank-*/snapshot.pickle") if rank_of(p.parent) is not None)
+    try:  # a cluster's (rank-K/, or the ranks the script spawned): per rank
+        ranks = [(rank, snapshot) for rank, report in rank_reports(path).items()
+                 if (snapshot := report.parent / "snapshot.pickle").is_file()]
+        found = ranks or [(rank_of(p.parent), p) for p in sorted(path.glob("snapshot*.pickle"))]
     except OSError as exc:
         raise MemprofError(f"{path}: cannot list the folder ({exc.strerror})") from None
     if not found:
         raise MemprofError(f"{path}: a directory with no snapshot*.pickle; pass a snapshot file"
                            " or a memprof run folder")
-    return sorted(((rank_of(p.parent), p) for p in found), key=lambda rp: (rp[0] or 0))
+    return found
 
 
 def _settings(conf: str, option: str, capped: bool) -> AllocatorSettings:

@@ -8,7 +8,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -112,6 +112,12 @@ def run(
         " own. Default: every rank, but a world over 16 on virtual cards runs its"
         " representatives (0, 1, the second node's first, the middle, the last two); all:"
         " every rank.", show_default=False)] = None,
+    cards: Annotated[int, typer.Option(
+        "--cards", min=1, metavar="N", help="The virtual GPUs the script's machine has"
+        " (torch.cuda.device_count() = N), for a script that starts a process per GPU"
+        " itself (torch.multiprocessing.spawn): each process it spawns is followed, on the"
+        " card it picks with torch.cuda.set_device. A torchrun-style script takes"
+        " --nproc-per-node instead.")] = 1,
     cluster_rank: Annotated[bool, flag(
         "--cluster-rank", hidden=True, help="A rank --nproc-per-node started: silent (the"
         " launcher prints the summary).")] = False,
@@ -185,6 +191,12 @@ def run(
     if problems and not use_cuda:
         raise MemprofError(f"allocator settings {describe(conf, 100)} for the prediction:"
                            f" {'; '.join(problems)}")
+    if cards > 1 and (card is None or nproc_per_node is not None or "LOCAL_RANK" in os.environ):
+        raise MemprofError(f"--cards {cards}: the cards of a virtual GPU's machine, for a"
+                           " script that starts its own processes; " + (
+                               "with --nproc-per-node or torchrun, each rank sees its node's"
+                               " cards already" if card is not None else
+                               "on a GPU or with --device cpu the machine has its own"))
     if nproc_per_node is not None:  # every rank, each a `memprof run` of its own
         from memprof.cli.run_cluster import cluster_ranks, rank_options, run_cluster
 
@@ -206,7 +218,8 @@ def run(
         claim(folder, names, force)
 
     # when and where it started (the script may chdir): suggest --verify re-runs it there
-    launched = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cwd": os.getcwd()}
+    launched: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                "cwd": os.getcwd(), **({"cards": cards} if cards > 1 else {})}
     profile_path = folder / names["profile"] if profile else None
     parent = os.getpid()
     ended = False
@@ -226,7 +239,7 @@ def run(
                 " SPEC for another card, --device cpu to record host tensors instead)")
             record = recorder(use_cuda, light, card, announce)
             recording = record(target, RunOptions(settings, max_entries, steps, seconds,
-                                                  profile_path, script_ended, folder))
+                                                  profile_path, script_ended, folder, cards))
             if os.getpid() != parent or (child and not made_cuda(recording.snapshot)):
                 raise typer.Exit(recording.outcome.exit_code)  # a fork's copy; an idle child
             if child:
@@ -260,7 +273,7 @@ def run(
 
 
 def _finish(recording: Recording, target: Target, folder: Path, names: dict[str, str],
-            conf: str, launched: dict[str, str], top: int, limit: int | None,
+            conf: str, launched: dict[str, Any], top: int, limit: int | None,
             plot: BackgroundPlot | None, quiet: bool = False,
             need: NeedCheck | None = None) -> int:
     """Analyse a recording, write the run folder's files (the timeline by ``plot``; none
@@ -268,10 +281,11 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
     out of memory is run again to tell what it needs. Return the exit code (the script's,
     or 1 when its peak broke ``--max-peak``)."""
     from memprof.analysis.explain import explain
-    from memprof.collect.launch.children import child_reports, reports_note
+    from memprof.collect.launch.children import child_reports
     from memprof.collect.launch.script import torchrun_rank
     from memprof.forked import Forked
     from memprof.heap import trim
+    from memprof.report.cluster import rank_reports
     from memprof.report.html import write_report_page
     from memprof.report.json import report_dict, write_json
     from memprof.report.plot import timeline_panels, timeline_title
@@ -327,8 +341,8 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
                               f" {recording.virtual_gpu['spec']} held nothing; --device cpu"
                               " profiles its host tensors instead"))
         if speaks and children and recording.virtual_gpu:
-            notes.print(plain(reports_note(children, recording.virtual_gpu["spec"],
-                                           bool(findings.devices))))
+            _spawned(children, folder, recording.virtual_gpu["spec"], bool(findings.devices),
+                     notes)
         writing.result()
     if speaks:
         run = folder.parent if world > 1 else folder  # the ranks' folders are inside
@@ -337,9 +351,38 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
         notes.print(plain(f"Run folder: {run}/ ({written})"))
         shown = run if world > 1 else folder / names["snapshot"]
         if children and not findings.devices:  # the children's memory, not the parent's
-            shown = children[0] / names["snapshot"]
+            shown = folder if rank_reports(folder) else children[0] / names["snapshot"]
         notes.print(plain(f"Next: memprof explain {shown}"))
     return gate(findings, limit, recording.outcome.exit_code, notes)
+
+
+def _spawned(children: list[Path], folder: Path, card: str, itself: bool,
+             notes: Console) -> None:
+    """Say where the reports of the processes the script spawned are; where they were the
+    ranks of one world (``mp.spawn``'s), lead with the cluster's answer and write
+    ``cluster.json`` as ``--nproc-per-node`` does."""
+    from memprof.cli.run_cluster import CLUSTER_FILE
+    from memprof.collect.launch.children import reports_note
+    from memprof.report.cluster import (
+        Cluster,
+        cluster_summary,
+        rank_reports,
+        read_cluster,
+        render_cluster,
+    )
+    from memprof.report.json import write_json
+    from memprof.report.text import plain
+
+    notes.print(plain(reports_note(children, card, itself)))
+    if not rank_reports(folder):
+        return
+    cluster = read_cluster(folder)
+    world = max(r.world for r in cluster.written)
+    if len(cluster.ranks) < world:  # its other nodes' ranks: another machine's processes
+        cluster = Cluster(cluster.ranks, cluster.card, world, "spawned on the other nodes")
+    write_json(cluster_summary(cluster, 1, world), folder / CLUSTER_FILE)
+    notes.print()
+    render_cluster(cluster, notes)
 
 
 def _unwritten(exc: MemprofError | OSError, folder: Path, script_code: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def run_facts(recording: Recording, meta: dict[str, Any], target: Target,
-              launched: dict[str, str], conf: str, need: dict[str, Any] | None = None
+              launched: dict[str, Any], conf: str, need: dict[str, Any] | None = None
               ) -> dict[str, Any]:
     """The report's ``run`` entry: the command, how it ended, the model, what a run that
     ran out of memory needs."""
@@ -25,6 +26,8 @@ def run_facts(recording: Recording, meta: dict[str, Any], target: Target,
 
     outcome = recording.outcome
     this_rank, world = torchrun_rank()
+    if "RANK" not in os.environ and meta.get("world"):  # a rank mp.spawn started
+        this_rank, world = int(meta["world"]["rank"]), int(meta["world"]["size"])
     facts = {
         "command": run_command(target),
         **launched,

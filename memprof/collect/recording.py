@@ -48,7 +48,8 @@ class RunOptions:
     trace's ring buffer (``max_entries`` events), when to stop it (after ``steps``
     optimizer steps or ``seconds``), torch.profiler's output (``profile_to``),
     ``ended``, called as soon as the script has ended, before memprof's work on the trace,
-    and the run ``folder``, where child processes the virtual GPU follows write theirs."""
+    the run ``folder``, where child processes the virtual GPU follows write theirs, and the
+    virtual node's ``cards`` where no launcher set them (``LOCAL_WORLD_SIZE``)."""
 
     settings: AllocatorSettings
     max_entries: int
@@ -57,6 +58,7 @@ class RunOptions:
     profile_to: Path | None = None
     ended: Callable[[], None] | None = None
     folder: Path | None = None
+    cards: int = 1
 
 
 Recorder = Callable[[Target, RunOptions], Recording]

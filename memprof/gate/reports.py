@@ -67,6 +67,10 @@ def load_report(source: Path, role: str) -> Report:
     problem = _problem(data)
     children = sorted(path.parent.glob(f"child-*/{REPORT_NAME}"))
     if problem == "no devices" and children:
+        from memprof.report.cluster import worst_report
+
+        if (ranks := worst_report(path.parent)) is not None:  # mp.spawn's ranks: the worst
+            return load_report(ranks, role)
         raise MemprofError(f"{role} {path}: the script made no CUDA tensor itself; the"
                            " processes it spawned did: give one of their run folders, such"
                            f" as {children[0].parent}")

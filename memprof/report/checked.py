@@ -209,6 +209,7 @@ MODEL = record(
 )
 RUN = record(
     command=items(TEXT), started=TEXT, cwd=TEXT, launcher_env=optional(table(TEXT)),
+    cards=optional(_integer(1, MAX_ID, "a card count")),
     torch_version=TEXT, device=TEXT,
     predicted=FLAG, allocator_conf=TEXT, duration_s=SECONDS,
     exit=record(status=TEXT, code=_integer(-(1 << 31), 1 << 31, "an exit code"),

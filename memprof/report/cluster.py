@@ -44,6 +44,7 @@ class RankPeak:
     parallelism: dict[str, Any] | None = None  # its run.model.parallelism
     # what was allocated at its peak, by category (its device with the highest peak)
     categories: dict[str, int] = field(default_factory=dict)
+    world: int = 1  # the size of the world it was a rank of
 
     @property
     def on_card(self) -> int:
@@ -75,10 +76,29 @@ class Cluster:
 
 
 def rank_reports(folder: Path) -> dict[int, Path]:
-    """The ranks' reports in a run folder (``rank-K/report.json``), by rank."""
+    """The ranks' reports in a run folder, by rank: ``rank-K/report.json``, else those of
+    the processes the script spawned as the ranks of one world (``mp.spawn``'s,
+    ``child-N/report.json``)."""
     found = {rank: path for path in folder.glob(f"rank-*/{FILE_NAMES['report']}")
              if (rank := rank_of(path.parent)) is not None}
-    return dict(sorted(found.items()))
+    return dict(sorted(found.items())) or _spawned_ranks(folder)
+
+
+def _spawned_ranks(folder: Path) -> dict[int, Path]:
+    """The followed children's reports that are ranks of one world, by rank (none where
+    they are not: a pool's workers, or ranks of different worlds)."""
+    found: dict[int, Path] = {}
+    worlds = set()
+    for path in sorted(folder.glob(f"child-*/{FILE_NAMES['report']}")):
+        try:
+            run = json.loads(path.read_bytes())["run"]
+            rank, world = int(run["rank"]), int(run["world_size"])
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        if world > 1:
+            worlds.add(world)
+            found.setdefault(rank, path)
+    return dict(sorted(found.items())) if len(worlds) == 1 else {}
 
 
 def read_cluster(folder: Path, world_size: int | None = None,
@@ -112,7 +132,8 @@ def _peak(rank: int, path: Path) -> RankPeak:
                      any(d.get("oom") for d in devices),
                      str(gpu.get("spec") or run.get("device") or ""),
                      (run.get("model") or {}).get("parallelism"),
-                     {str(k): int(v) for k, v in (top.get("categories") or {}).items()})
+                     {str(k): int(v) for k, v in (top.get("categories") or {}).items()},
+                     int(run.get("world_size") or 1))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return RankPeak(rank, None)
 
@@ -152,9 +173,9 @@ def cluster_summary(cluster: Cluster, nodes: int, per_node: int) -> dict[str, An
 
 
 def _relative(report: Path) -> str:
-    """A rank's report as the run folder names it: ``rank-K/report.json`` (a world of one:
-    ``report.json``)."""
-    inside = rank_of(report.parent) is not None
+    """A rank's report as the run folder names it: ``rank-K/report.json`` or a spawned
+    rank's ``child-N/report.json`` (a world of one: ``report.json``)."""
+    inside = rank_of(report.parent) is not None or report.parent.name.startswith("child-")
     return f"{report.parent.name}/{report.name}" if inside else report.name
 
 

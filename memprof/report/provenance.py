@@ -50,9 +50,10 @@ def signed_here(facts: dict[str, Any]) -> bool:
 
 
 def _mac(key: bytes, facts: dict[str, Any]) -> str:
-    # a launcher's variables where there were any (reports signed before they were kept
-    # stay signed): dropping or adding them breaks the signature either way
-    names = SIGNED + (("launcher_env",) if facts.get("launcher_env") is not None else ())
+    # a launcher's variables and the cards, where there were any (reports signed before
+    # they were kept stay signed): dropping or adding them breaks the signature either way
+    names = SIGNED + tuple(name for name in ("launcher_env", "cards")
+                           if facts.get(name) is not None)
     signed = json.dumps([facts.get(name) for name in names], sort_keys=True, default=repr)
     return hmac.new(key, signed.encode(), hashlib.sha256).hexdigest()
 

@@ -26,14 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from memprof.collect.launch.endings import child_script
+from memprof.errors import Refusal
 
 _SPAWN_MAIN = "from multiprocessing.spawn import spawn_main; "
 FOLLOWED_CODE = "from memprof.collect.launch.children import spawn_main; "  # a child's -c
 _DATA_LOADER_WORKER = ("torch.utils.data._utils.worker", "_worker_loop")
 _SPAWNED_RANK = ("torch.multiprocessing.spawn", "_wrap")  # mp.spawn's process target
+GRACE_S = 120  # for a signalled child to write its report
 
 
-class NestedRanks(RuntimeError):
+class NestedRanks(Refusal):
     """The script spawns ranks of its own inside a rank a launcher started."""
 
 
@@ -50,6 +52,7 @@ class FollowedChildren:
         self._starting = threading.local()  # set while this thread starts a followed child
         self._lock = threading.Lock()
         self._saved: dict[Any, Any] = {}
+        self._processes: list[Any] = []  # the followed children's Process objects
 
     def __enter__(self) -> FollowedChildren:
         context = multiprocessing.context
@@ -83,13 +86,29 @@ class FollowedChildren:
             raise NestedRanks(
                 "the script starts ranks of its own (torch.multiprocessing.spawn) inside one"
                 f" of the {self.ranks} ranks its launcher started: run it with memprof run"
-                " alone, which follows the processes it spawns, not with --nproc-per-node"
-                " or torchrun")
+                f" --cards {self.ranks} alone, which follows the processes it spawns, one per"
+                " card, not with --nproc-per-node or torchrun")
         self._starting.on = True
         try:
-            return spawned(process)
+            started = spawned(process)
         finally:
             self._starting.on = False
+        self._processes.append(process)
+        return started
+
+    def finish(self, signalled: bool) -> None:
+        """Wait for the children still running, as Python's exit would (its daemonic ones
+        terminated, the others joined), so that their reports are written before the run's;
+        where a signal ended the script, every child is signalled too (each writes its
+        report), and one that has not ended after ``GRACE_S`` is killed."""
+        for process in self._processes:
+            if process.is_alive() and (signalled or process.daemon):
+                process.terminate()
+        for process in self._processes:
+            process.join(GRACE_S if signalled else None)
+            if process.is_alive():
+                process.kill()
+                process.join()
 
     def _command_line(self, **kwds: Any) -> list[str]:
         """``spawn.get_command_line``: a followed child's runs under ``memprof run``."""

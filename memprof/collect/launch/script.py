@@ -19,7 +19,7 @@ from typing import Any
 
 import memprof
 from memprof.collect.launch.endings import HANDLER_CODES, Stop
-from memprof.errors import MemprofError
+from memprof.errors import MemprofError, Refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +107,10 @@ def run(target: Target) -> Outcome:
     except KeyboardInterrupt:
         _print_user_traceback(hook)
         return Outcome("interrupted", 130, "KeyboardInterrupt")
+    except Refusal as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"memprof: error: {exc}", file=sys.stderr)
+        return Outcome("raised", 1, _described(exc))
     except BaseException as exc:  # the script's own failure, reported as Python would
         raised_in = _modules(exc.__traceback__)
         _print_user_traceback(hook)
@@ -289,10 +293,12 @@ def _package_test(folder: Path) -> Callable[[str], bool]:
     return lambda name: name.startswith(prefix)
 
 
-def torchrun_local() -> tuple[int, int]:
+def torchrun_local(cards: int = 1) -> tuple[int, int]:
     """This process's ``LOCAL_RANK`` and the node's GPU count (``LOCAL_WORLD_SIZE``, at
-    least one more than the rank) as torchrun sets them, else (0, 1)."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    least one more than the rank) as torchrun sets them, else (0, ``cards``)."""
+    if "LOCAL_RANK" not in os.environ:
+        return 0, cards
+    local = int(os.environ["LOCAL_RANK"])
     return local, max(local + 1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 

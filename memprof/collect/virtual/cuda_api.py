@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -18,10 +19,11 @@ from typing import Any
 import torch
 import torch.cuda.memory
 import torch.cuda.nvtx
+from torch.cuda._utils import _get_device_index
 
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.recorder import VirtualRecorder
-from memprof.collect.virtual.tensor import card_device
+from memprof.collect.virtual.tensor import card_device, set_card_index
 from memprof.trace.events import as_snapshot_events
 
 
@@ -167,12 +169,25 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow, coun
     def reset_peaks(device: object = None) -> None:
         recorder.reset_peaks()
 
+    def set_device(device: object) -> None:
+        """``torch.cuda.set_device``: a card past the node's raises as CUDA does; before the
+        card holds anything, a process no launcher numbered (one ``mp.spawn`` started per
+        card) takes the card it names."""
+        index = _get_device_index(device)
+        if index >= count:
+            raise torch.AcceleratorError(
+                "CUDA error: invalid device ordinal\nGPU device may be out of range, do you"
+                f" have enough GPUs?\n(memprof: the virtual node has {count} card"
+                f"{'s' * (count > 1)}; memprof run --cards N gives it N)")
+        if index >= 0 and not recorder.allocated_total[0] and "LOCAL_RANK" not in os.environ:
+            set_card_index(index)
+
     cuda, memory, nvtx = torch.cuda, torch.cuda.memory, torch.cuda.nvtx
     answers: dict[str, Callable[..., Any] | type] = {
         "is_available": lambda: True,
         "device_count": lambda: count,
         "current_device": lambda: card_device().index,
-        "set_device": _nothing,
+        "set_device": set_device,
         # torch.cuda.device(i) and device_of(t) swap the current device through these
         "_exchange_device": _exchange_device, "_maybe_exchange_device": _exchange_device,
         "is_initialized": lambda: True,
@@ -237,7 +252,7 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow, coun
         "current_accelerator": lambda check_available=False: torch.device("cuda"),
         "current_device_index": answers["current_device"],
         "current_device_idx": answers["current_device"],
-        "set_device_index": _nothing, "set_device_idx": _nothing,
+        "set_device_index": set_device, "set_device_idx": set_device,
         "device_index": lambda device=None: contextlib.nullcontext(),
         "get_memory_info": mem_get_info}
     for name, value in accelerator.items():

@@ -49,6 +49,8 @@ class ProcessGroups:
     def __init__(self, install: Callable[[dict[tuple[Any, str], Any]], None]) -> None:
         self._install = install
         self._grouped = False  # whether a group was made
+        # the first group's (rank, size): the world of a process no launcher numbered
+        self.world: tuple[int, int] | None = None
 
     def patches(self) -> dict[tuple[Any, str], Callable[..., Any]]:
         """The replacements, by (module, attribute); none without ``torch.distributed``."""
@@ -74,6 +76,7 @@ class ProcessGroups:
 
                 self._grouped = True
                 self._install(dtensor_patches())
+                self.world = (group_rank, group_size)
             pg, store = helper(group_size, group_rank, global_ranks, BACKEND, *args, **kwargs)
             if pg is not c10d.GroupMember.NON_GROUP_MEMBER and pg in c10d._world.pg_map:
                 asked = str(backend)

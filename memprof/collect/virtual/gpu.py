@@ -45,7 +45,7 @@ from memprof.collect.virtual.host_state import HostState
 from memprof.collect.virtual.recorder import VirtualRecorder
 from memprof.collect.virtual.routing import CudaRouting, module_to
 from memprof.collect.virtual.subclasses import swapping
-from memprof.collect.virtual.tensor import VirtualTensor, set_card_index
+from memprof.collect.virtual.tensor import VirtualTensor, card_device, set_card_index
 from memprof.collect.virtual.value_sizes import LargestSizes
 from memprof.trace.model import AllocatorSettings
 
@@ -58,6 +58,7 @@ class VirtualGpu:
                  max_entries: int | None = None, index: int = 0, count: int = 1) -> None:
         self.card = card
         self.index, self.count = index, count  # cuda:index, one of count cards of the node
+        self.world: tuple[int, int] | None = None  # its first process group's rank, size
         self.recorder = VirtualRecorder(card, settings, announce, max_entries)
         self.history = HistoryWindow(self.recorder, settings_dict or {})
         self._routing = CudaRouting(card)
@@ -149,6 +150,8 @@ class VirtualGpu:
             else:
                 setattr(owner, name, value)
         self._saved.clear()
+        self.index = card_device().index  # the card the script chose (set_device)
+        self.world = self._groups.world
         set_card_index(0)
 
 

@@ -30,7 +30,9 @@ def record(target: Target, options: RunOptions, card: Card, announce: str | None
     their own, each recorded into ``options.folder`` (``children.py``).
     """
     settings = options.settings
-    index, count = torchrun_local()  # a rank of a cluster: its card is cuda:LOCAL_RANK
+    # a rank of a cluster: its card is cuda:LOCAL_RANK; else the one torch.cuda.set_device
+    # names before the first CUDA tensor (a process mp.spawn started per card)
+    index, count = torchrun_local(options.cards)
     gpu = VirtualGpu(card, settings, settings_dict(settings), announce, options.max_entries,
                      index, count)
     recorder = CpuRecorder(gpu.recorder)
@@ -39,15 +41,21 @@ def record(target: Target, options: RunOptions, card: Card, announce: str | None
         "--max-entries", str(options.max_entries),
         # each child stops as the run was asked to (its own steps, its own seconds)
         *(["--steps", str(options.steps)] if options.steps is not None else []),
-        *(["--seconds", repr(options.seconds)] if options.seconds is not None else [])],
-        count)
+        *(["--seconds", repr(options.seconds)] if options.seconds is not None else []),
+        *(["--cards", str(count)] if options.cards > 1 else [])],
+        count if options.cards == 1 else 1)
     with recorder, gpu, children or contextlib.nullcontext():
         outcome, took = run_profiled(target, options)
+        if children is not None:
+            children.finish(outcome.status == "interrupted"
+                            or outcome.stopped_by not in (None, "steps", "seconds"))
     trim()  # what the script freed, before memprof's own work on the trace
     with frozen():
         # on the rank's own card, cuda:LOCAL_RANK, as its snapshot on a node says
         snapshot, _ = predict_cuda_layout(recorder.snapshot(), settings,
-                                          gpu.recorder.placer.layout(index))
+                                          gpu.recorder.placer.layout(gpu.index))
+    if gpu.world is not None:  # the rank its process group gave it (mp.spawn's)
+        snapshot["memprof"]["world"] = {"rank": gpu.world[0], "size": gpu.world[1]}
     if gpu.recorder.allowed is not None:  # set_per_process_memory_fraction's cap
         snapshot["memprof"]["allowed_bytes"] = gpu.recorder.allowed
     return Recording(snapshot, outcome, f"virtual {card.name}", True, took,
