@@ -2,8 +2,8 @@
 (5e8 by default: 2 GB of fp32 per rank, whatever the model's size), one bucket, or two
 under ZeRO-1/2's ``overlap_comm``. The gradients are views of one (``gradients``), the
 other is a communication buffer (``analysis/categories.py``); both are alive from the
-engine's start, so a smaller size saves at either moment of the peak. An estimate:
-``--verify`` does not rewrite DeepSpeed's config.
+engine's start, so a smaller size saves at either moment of the peak. ``--verify`` sets
+the smaller size in DeepSpeed's config as the engine reads it (``apply_distributed.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def bucket_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
         SEEDS["000"],
         f"{'two buckets (overlap_comm)' if double else 'the bucket'} of {size:,} {itemsize}-byte"
         f" gradients shrink to {SMALLER:,} elements, {saved:,} bytes less each",
-        smaller, _snippet(ctx, stage))]
+        smaller, _snippet(ctx, stage), {"zero_buckets": SMALLER})]
 
 
 def _snippet(ctx: Context, stage: int) -> str:

@@ -28,20 +28,23 @@ def model_facts(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
     saved for backward and how it was called (``BlockSaves.facts``), by module and name."""
     modules = list(modules)
     params = {id(p): p for m in modules for p in m.parameters(recurse=False)}
+    held = set(params)
     for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            params.update((id(p), p) for p in group["params"])
+        own = [p for group in optimizer.param_groups for p in group["params"]]
+        if held and own and not any(id(p) in held for p in own):
+            continue  # copies of the weights it steps (DeepSpeed's fp32 partitions)
+        params.update((id(p), p) for p in own)
     dtypes: Counter[str] = Counter()
     for p in params.values():
-        dtypes[str(p.dtype).removeprefix("torch.")] += p.numel()
+        dtypes[str(p.dtype).removeprefix("torch.")] += _elements(p)
     return {
         "parameters": sum(_weights(p) for p in params.values()),
-        "parameter_bytes": sum(p.numel() * p.element_size() for p in params.values()),
-        "trainable": sum(p.numel() for p in params.values() if p.requires_grad),
+        "parameter_bytes": sum(_elements(p) * p.element_size() for p in params.values()),
+        "trainable": sum(_elements(p) for p in params.values() if p.requires_grad),
         "dtypes": dict(dtypes),
-        "small_tensor_elements": sum(p.numel() for p in params.values()
-                                     if p.numel() < SMALL_TENSOR),
-        "trainable_numels": sorted(p.numel() for p in params.values() if p.requires_grad),
+        "small_tensor_elements": sum(_elements(p) for p in params.values()
+                                     if _elements(p) < SMALL_TENSOR),
+        "trainable_numels": sorted(_elements(p) for p in params.values() if p.requires_grad),
         "optimizers": [_optimizer(o) for o in optimizers],
         "repeated_blocks": _repeated_blocks(modules, blocks),
         "autocast": autocast,
@@ -64,12 +67,19 @@ def quantisation_state(p: torch.Tensor) -> list[torch.Tensor]:
     return found
 
 
+def _elements(p: torch.Tensor) -> int:
+    """The elements of parameter ``p``, whole: a DeepSpeed ZeRO-3 parameter's
+    (``ds_numel``; its own tensor is empty between gathers), else its own."""
+    whole = p.__dict__.get("ds_numel")
+    return whole if isinstance(whole, int) else p.numel()
+
+
 def _weights(p: torch.Tensor) -> int:
     """The weights ``p`` holds: its elements, or a packed 4-bit weight's own count (two to a
     byte, its ``quant_state.shape``)."""
     shape = getattr(p.__dict__.get("quant_state"), "shape", None)
     return int(torch.Size(shape).numel()) if isinstance(shape, (tuple, torch.Size)) \
-        else p.numel()
+        else _elements(p)
 
 
 def _optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -15,7 +15,10 @@ suggest --verify`` (``MEMPROF_APPLY``, read by ``apply.py``):
   (``fully_shard(..., mesh=<2-D (replicas, shards)>)``): one dimension of them all; FSDP1's
   HYBRID_SHARD is FULL_SHARD over the default group;
 - ``{"schedule": "Schedule1F1B"}``: a pipeline's ``ScheduleGPipe`` is that schedule of
-  ``torch.distributed.pipelining`` instead (the same arguments).
+  ``torch.distributed.pipelining`` instead (the same arguments);
+- ``{"zero_buckets": N}``: every DeepSpeed config, however the script gives it (a dict, a
+  file, Hugging Face's or Lightning's), has ZeRO's ``reduce_bucket_size`` and
+  ``allgather_bucket_size`` at N elements where they were larger.
 
 An optimizer made before the wrapper works as well: with ``use_orig_params`` FSDP keeps the
 parameter objects, their data its shard.
@@ -48,9 +51,13 @@ def distributed_applied(asked: dict[str, Any]) -> Iterator[None]:
         and all(isinstance(u, str) for u in units)
     views, offload = asked.get("bucket_view") is True, asked.get("offload") is True
     flat = asked.get("flat_mesh") is True
-    schedule = asked.get("schedule")
+    schedule, buckets = asked.get("schedule"), asked.get("zero_buckets")
     if schedule in SCHEDULES:
         with _gpipe_as(str(schedule)):
+            yield
+        return
+    if type(buckets) is int and buckets > 0:
+        with _zero_buckets(buckets):
             yield
         return
     if not (sharded or views or offload or flat):
@@ -104,6 +111,28 @@ def _gpipe_as(name: str) -> Iterator[None]:
     finally:
         for owner in (pipelining, schedules):
             owner.ScheduleGPipe = gpipe  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _zero_buckets(size: int) -> Iterator[None]:
+    """DeepSpeed's configs with ZeRO's buckets at ``size`` elements at most."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    init = DeepSpeedConfig.__init__
+
+    @functools.wraps(init)
+    def smaller(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        zero = self.zero_config
+        for name in ("reduce_bucket_size", "allgather_bucket_size"):
+            if getattr(zero, name, 0) > size:
+                setattr(zero, name, size)
+
+    DeepSpeedConfig.__init__ = smaller
+    try:
+        yield
+    finally:
+        DeepSpeedConfig.__init__ = init
 
 
 def _bucket_views(ddp: type) -> type:

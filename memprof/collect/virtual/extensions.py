@@ -26,11 +26,8 @@ script dies inside one, or on a ``torch._C._cuda*`` binding only a CUDA build ha
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
 import re
 import sys
-import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,6 +37,8 @@ import torch
 from memprof.collect.launch.script import Outcome
 from memprof.collect.notices import say
 from memprof.collect.virtual import subclasses
+from memprof.collect.virtual.deepspeed_ops import DeepSpeedOps
+from memprof.collect.virtual.first_import import FirstImport
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor
 
 # top-level modules of libraries with CUDA kernels of their own, and the names users know
@@ -63,23 +62,27 @@ _told: set[str] = set()
 
 
 class Extensions:
-    """While installed: bitsandbytes imports and runs (module doc), and libraries'
-    parameter classes become virtual on the card (``subclasses.py``)."""
+    """While installed: bitsandbytes imports and runs (module doc), DeepSpeed's fused
+    optimizers run (``deepspeed_ops.py``), and libraries' parameter classes become virtual
+    on the card (``subclasses.py``)."""
 
     def __init__(self) -> None:
-        self._finder: _FirstImport | None = None
+        self._finder: FirstImport | None = None
         self._saved: list[tuple[Any, str, Any]] = []  # (owner, name, value or _ABSENT)
         self._kernels: torch.library.Library | None = None
+        self._deepspeed = DeepSpeedOps()
 
     def install(self) -> None:
         self._patch(torch.Tensor, "_make_subclass", staticmethod(subclasses.make_subclass))
+        self._deepspeed.install()
         if _BNB in sys.modules:
             self._bitsandbytes()
         else:
-            self._finder = _FirstImport(_BNB, self._as_on_this_machine, self._bitsandbytes)
+            self._finder = FirstImport(_BNB, self._as_on_this_machine, self._bitsandbytes)
             sys.meta_path.insert(0, self._finder)
 
     def remove(self) -> None:
+        self._deepspeed.remove()
         if self._finder is not None and self._finder in sys.meta_path:
             sys.meta_path.remove(self._finder)
         self._finder = None
@@ -131,58 +134,6 @@ _ABSENT = object()
 def _eager(model: Any = None, **options: Any) -> Any:
     """``torch.compile`` as a call or a decorator factory: the function itself."""
     return (lambda fn: fn) if model is None else model
-
-
-class _FirstImport(importlib.abc.MetaPathFinder):
-    """Finds package ``name`` for its first import, runs it inside ``around``, then calls
-    ``loaded``."""
-
-    def __init__(self, name: str, around: Callable[[], contextlib.AbstractContextManager[None]],
-                 loaded: Callable[[], None]) -> None:
-        self.name = name
-        self.around = around
-        self.loaded = loaded
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None
-                  ) -> importlib.machinery.ModuleSpec | None:
-        if name != self.name:
-            return None
-        spec = None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is not self and find is not None:
-                spec = find(name, path, target)
-                if spec is not None:
-                    break
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Around(spec.loader, self.around, self._ran)
-        return spec
-
-    def _ran(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        self.loaded()
-
-
-class _Around(importlib.abc.Loader):
-    """A package's loader that runs it inside ``around``, then calls ``ran``."""
-
-    def __init__(self, loader: Any, around: Callable[[], contextlib.AbstractContextManager[None]],
-                 ran: Callable[[], None]) -> None:
-        self._loader = loader
-        self._around = around
-        self._ran = ran
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        with self._around():
-            self._loader.exec_module(module)
-        self._ran()
-
-    def __getattr__(self, name: str) -> Any:  # get_resource_reader, get_source, ...
-        return getattr(self._loader, name)
 
 
 def _paged(*shape: int, dtype: torch.dtype = torch.float32, device: Any = None
