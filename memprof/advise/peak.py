@@ -5,8 +5,11 @@ backward, where activations pile up, and the optimizer step (every parameter, gr
 moment at once, with the step's temporaries). The run recorded one of them exactly; the
 other is rebuilt from the categories' own peaks. ``at_peak`` is the activation moment and
 ``at_step`` the step, whichever was recorded. A remedy rescales categories at both; the
-new peak is the larger of the two, and the allocator's cache is kept in proportion
-(``cache_ratio``) unless an allocator remedy changes it. Savings are therefore counted
+new peak is the larger of the two. The allocator's cache (``cache_ratio`` of the recorded
+peak's allocated bytes, unless an allocator remedy changes it) follows what it is made of:
+it scales with the activations and temporaries where they change more than the whole does
+(blocks freed and reused every step fragment the segments), and with the whole otherwise,
+so a remedy of model state alone saves its own bytes, no more. Savings are therefore counted
 only where bytes are alive at the peak, and never summed in isolation. Tagged activations
 (attention scores, eval passes: ``report.json``'s ``tagged``) are tracked inside the
 activations at each moment, scaled with them, so a remedy can drop exactly those.
@@ -49,6 +52,10 @@ class Peak:
     # bytes allocated at a third moment a remedy may make the peak (FSDP's CPU offload:
     # the model the script put on the card whole before FSDP sharded it)
     floor: int = 0
+    # the recorded peak's allocated bytes, and its activations and temporaries (0: unknown,
+    # the cache in proportion to the whole)
+    allocated_base: int = 0
+    transient_base: int = 0
 
     @property
     def allocated(self) -> int:
@@ -56,10 +63,15 @@ class Peak:
 
     @property
     def reserved(self) -> int:
-        # at least the allocated bytes in whole segments: the smallest is 2 MiB
         allocated = self.allocated
-        return max(int(allocated * (1 + self.cache_ratio)), -(-allocated // SMALL_BUFFER)
-                   * SMALL_BUFFER)
+        share = allocated / self.allocated_base if self.allocated_base else 1.0
+        if self.transient_base:
+            moment = self.moment
+            share = max(share, (moment[ACTIVATIONS] + moment[TEMPORARIES]) / self.transient_base)
+        cache = self.cache_ratio * (self.allocated_base * share if self.allocated_base
+                                    else allocated)
+        # at least the allocated bytes in whole segments: the smallest is 2 MiB
+        return max(int(allocated + cache), -(-allocated // SMALL_BUFFER) * SMALL_BUFFER)
 
     @property
     def busy(self) -> bool:
@@ -141,4 +153,6 @@ def peak_of(device: dict[str, Any]) -> Peak:
     tags_at_peak, tags_at_step = (forward, recorded) if in_step else (recorded, {})
     allocated = device["peak"]["allocated_bytes"] or 1
     reserved = device["peak"].get("reserved_at_peak_bytes") or device["peak"]["reserved_bytes"]
-    return Peak(at_peak, at_step, max(0.0, reserved / allocated - 1), tags_at_peak, tags_at_step)
+    transient = sum(int(device["categories"].get(k, 0)) for k in (ACTIVATIONS, TEMPORARIES))
+    return Peak(at_peak, at_step, max(0.0, reserved / allocated - 1), tags_at_peak, tags_at_step,
+                allocated_base=allocated, transient_base=transient)

@@ -116,14 +116,14 @@ def _optimizer_state(peak: Peak, ctx: Context) -> list[Remedy]:
                    f"import bitsandbytes as bnb\n\noptimizer = bnb.optim.{name}8bit("
                    "model.parameters(), lr=lr)")))
         found.append(Remedy(
-            "optimizer_sgd", "SGD with momentum instead of Adam", "optimizer", 9,
+            "optimizer_sgd", f"SGD with momentum instead of {name}", "optimizer", 9,
             "training: another optimizer, retune the learning rate", SEEDS["003"],
             "one momentum buffer (4 bytes per parameter) instead of two moments (8)",
             lambda p: p.scaled({OPTIMIZER_STATE: 0.5}),
             _optim(ctx, "sgd", "optimizer = torch.optim.SGD(model.parameters(), lr=lr,"
                    " momentum=0.9)")))
         found.append(Remedy(
-            "optimizer_adafactor", "Adafactor instead of Adam", "optimizer", 8,
+            "optimizer_adafactor", f"Adafactor instead of {name}", "optimizer", 8,
             "training: another optimizer (factored second moments, no first moment)",
             SEEDS["003"], "a row and a column vector per matrix: about 1% of Adam's state",
             lambda p: p.scaled({OPTIMIZER_STATE: 0.01}),

@@ -196,7 +196,7 @@ def _plan(advice: Advice, measured: Measured) -> Group:
     for i, step in enumerate(plan.steps, 1):
         r = step.remedy
         parts.append(Text(f"\n{i}. {r.title}: peak {fb(step.peak.reserved)} reserved"
-                          f" ({r.cost_text}; {r.seed})", "bold"))
+                          f" ({r.cost_text})", "bold"))
         parts.append(Text(f"   assumes: {r.assumptions}", "dim"))
         parts.append(Syntax(r.snippet, "python", theme="ansi_dark", background_color="default"))
     return Group(Text(""), *parts)
