@@ -53,11 +53,27 @@ def advise(run: Run, budget: Budget, gpus: int = 1) -> Advice:
     ctx = Context(run.model, gpus, int(run.facts.get("world_size") or 1),
                   _expandable_ratio(run, start), run.device.get("leak"), _block_shares(run),
                   _autocast_share(run),
-                  int((run.device.get("category_peaks") or {}).get(PARAMETERS, 0)))
+                  int((run.device.get("category_peaks") or {}).get(PARAMETERS, 0)),
+                  _capability(run) >= (8, 0))
     remedies = catalogue(start, ctx)
     later = start.reserved <= budget.bytes < int(run.device["peak"]["reserved_bytes"])
     return Advice(run, budget, start, rank(start, remedies), plan(start, remedies, budget.bytes),
                   ctx, under_budget=_replayed(run, budget.bytes) if later else None)
+
+
+def _capability(run: Run) -> tuple[int, int]:
+    """The compute capability of the card the run ran on: the virtual card's, a GPU's
+    that memprof's card table knows by name; (8, 0) where unknown (bf16 taken as native)."""
+    from memprof.collect.virtual.cards import parse_spec
+
+    virtual, cuda = run.facts.get("virtual_gpu"), run.facts.get("cuda")
+    known = virtual.get("capability") if isinstance(virtual, dict) else None
+    if isinstance(known, list) and len(known) == 2 and all(type(v) is int for v in known):
+        return known[0], known[1]
+    try:
+        return parse_spec(str(cuda["name"])).capability if isinstance(cuda, dict) else (8, 0)
+    except (KeyError, ValueError):
+        return 8, 0
 
 
 def _block_shares(run: Run) -> dict[str, float] | None:

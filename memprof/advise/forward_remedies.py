@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 from memprof.advise.peak import Peak
 from memprof.advise.remedy import SEEDS, Context, Remedy
@@ -38,7 +39,7 @@ _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 def forward_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
     """The remedies of this module that apply to the run."""
-    return (_fused_attention(peak, ctx) + _chunked_loss(peak, ctx)
+    return (_fused_attention(peak, ctx) + _fp16_attention(peak, ctx) + _chunked_loss(peak, ctx)
             + _loss_in_model_dtype(peak, ctx) + _logits_to_keep(peak, ctx) + _no_grad(peak, ctx)
             + _set_to_none(peak, ctx))
 
@@ -49,8 +50,7 @@ def _fused_attention(peak: Peak, ctx: Context) -> list[Remedy]:
     if not facts or facts["fused"] or scores < SCORES_SHARE * peak.allocated:
         return []
     shape, dtype = facts["score_shape"], facts["score_dtype"]
-    t = shape[-1]
-    kept = LSE_BYTES / (t * _ITEMSIZE.get(dtype, 4))  # logsumexp bytes per score byte
+    t, kept = shape[-1], _kept(facts)
     owner = facts.get("module") or "the attention module"
     return [Remedy(
         "fused_attention", f"fused attention (scaled_dot_product_attention) in {owner}",
@@ -65,6 +65,40 @@ def _fused_attention(peak: Peak, ctx: Context) -> list[Remedy]:
         "# (is_causal=True for a causal mask, attn_mask=mask for another one):\n"
         "out = torch.nn.functional.scaled_dot_product_attention(\n"
         "    q, k, v, is_causal=True, dropout_p=dropout if self.training else 0.0)")]
+
+
+def _kept(facts: dict[str, Any]) -> float:
+    """Of the attention scores, the share a fused kernel keeps: its logsumexp per row."""
+    return LSE_BYTES / (facts["score_shape"][-1] * _ITEMSIZE.get(facts["score_dtype"], 4))
+
+
+def _fp16_attention(peak: Peak, ctx: Context) -> list[Remedy]:
+    """bf16 autocast on a card without bf16 tensor cores: scaled_dot_product_attention has
+    no fused bf16 kernel there and computes the scores whole (its math path); in fp16 its
+    memory-efficient kernel runs."""
+    facts = ctx.model.get("attention")
+    scores = peak.tagged(ATTENTION_SCORES)
+    if ctx.bf16_cores or ctx.model.get("autocast") != "bfloat16" or not facts \
+            or not facts["fused"] or scores < SCORES_SHARE * peak.allocated:
+        return []
+    kept = _kept(facts)
+    return [Remedy(
+        "fp16_autocast", "fp16 autocast with loss scaling instead of bf16", "precision", 2,
+        "numerics: fp16's narrower range, a GradScaler against underflow; faster (this card"
+        " has no bf16 tensor cores, and emulates bf16)", SEEDS["003_attention"],
+        "scaled_dot_product_attention runs its memory-efficient kernel in fp16, where in bf16"
+        f" this card takes its math path: the attention scores ({scores:,} bytes at the peak)"
+        " are not kept, a logsumexp per row instead; the rest keeps its half-precision size",
+        lambda p: p.without_tag(ATTENTION_SCORES, 1 - kept),
+        "TrainingArguments(..., fp16=True)  # instead of bf16=True" if ctx.trainer else
+        f'{ctx.lightning[0]}..., precision="16-mixed")' if ctx.lightning else
+        'scaler = torch.amp.GradScaler("cuda")\n'
+        'with torch.autocast("cuda", dtype=torch.float16):  # instead of torch.bfloat16\n'
+        "    loss = compute_loss(model, batch)\n"
+        "scaler.scale(loss).backward()\n"
+        "scaler.step(optimizer)  # instead of optimizer.step()\n"
+        "scaler.update()",
+        {"autocast": "float16"})]
 
 
 def _chunked_loss(peak: Peak, ctx: Context) -> list[Remedy]:

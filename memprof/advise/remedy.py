@@ -46,6 +46,8 @@ class Context:
     # the most parameter bytes the run held on the card at once (the model before FSDP
     # sharded it, where the script put it there whole first)
     parameters_peak: int = 0
+    # the card computes bf16 on tensor cores (compute capability 8.0 or later, or unknown)
+    bf16_cores: bool = True
 
     @property
     def optimizer(self) -> dict[str, Any]:
