@@ -479,7 +479,8 @@ def test_a_rerun_that_fails_is_shown_as_failed_not_measured(processes: dict[str,
             if line.startswith(" micro-batch")]  # the ranking's rows
     # every micro-batch --verify tried is shown: 1/2 to 1/16, each failed
     assert len(rows) == 4 and all("failed" in row for row in rows)
-    assert ("micro-batch 1/2 with 2 accumulation steps failed: re-running fails_smaller.py"
+    assert ("micro-batch 1/2 with 2 accumulation steps failed (left out of the plan):"
+            " re-running fails_smaller.py"
             " --batch 4096 failed (exit code 1): ValueError: this script needs batches of"
             " 8192.") in " ".join(result.stdout.split())
     assert "Traceback" not in result.stdout + result.stderr
@@ -498,6 +499,30 @@ def test_json_gives_a_failed_remedy_its_error_and_no_measurement(runs: Path):
         "measured": None, "verified": False, "verify_error": "ValueError: too small"}.items()
     assert remedies[second.remedy.key]["verified"] is True
     assert remedies[second.remedy.key]["verify_error"] is None
+
+
+def test_a_remedy_the_script_cannot_run_with_leaves_the_plan(runs: Path):
+    """BCELoss refuses autocast, say: the plan is made again without what failed."""
+    from memprof.advise.rerun import Rerun
+    from memprof.advise.verify import Failed, verifiable, verify
+    from memprof.errors import MemprofError
+
+    advice = advise(load_run(runs / "lm"), parse_budget("1MB"))
+    tried = {s.remedy.key for s in advice.plan.steps if verifiable(s.remedy, None)}
+    assert tried  # the plan has steps --verify applies
+
+    class Failing(Rerun):  # the script as recorded; with any remedy, it raises
+        def peak(self, args: Any = None, apply: Any = None, *rest: Any) -> Any:
+            if apply or args or any(rest):
+                raise MemprofError("re-running train.py failed (exit code 1): RuntimeError:"
+                                   " unsafe to autocast")
+            return advice.start
+
+    rerun = Failing(["train.py"], ["--virtual-gpu", "H100"], None, "")
+    again, measured = verify(advice, rerun, None, lambda what: None)
+    assert all(isinstance(measured[key], Failed) for key in tried)
+    assert tried <= set(again.excluded)
+    assert not tried & {s.remedy.key for s in again.plan.steps}
 
 
 BLOCKS = Path(__file__).parent / "scripts" / "blocks_train.py"

@@ -23,7 +23,7 @@ class Advice:
     ranked: list[Ranked]
     plan: Plan
     context: Context
-    excluded: tuple[str, ...] = ()  # remedies --verify measured saving nothing: not planned
+    excluded: tuple[str, ...] = ()  # remedies --verify measured saving nothing or failed
     # the estimated plan, where --verify measured it over the budget and made the plan again
     # from the measured peaks (one remedy measured to fit alone)
     discarded: Plan | None = None

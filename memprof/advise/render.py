@@ -119,7 +119,8 @@ def _measured_note(advice: Advice, measured: Measured) -> Text:
                  " script may already do it or undo it, or what it frees stays in the"
                  " allocator's cache")
     for key, failure in failed.items():
-        text += f". {titles.get(key, key)} failed: {failure.reason}"
+        out = " (left out of the plan)" if key in advice.excluded else ""
+        text += f". {titles.get(key, key)} failed{out}: {failure.reason}"
     return Text(text + ".", "dim")
 
 

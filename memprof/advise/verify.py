@@ -47,7 +47,7 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
     """Re-run the script as recorded (``baseline``; its failure is an error), with each
     verifiable remedy of the ranking, and with the whole plan when memprof can apply all
     its steps (``plan``). Returns the advice, its plan made again without the remedies
-    that measured no saving (``Advice.excluded``), and the measurements."""
+    that measured no saving or failed (``Advice.excluded``), and the measurements."""
     if batch_arg is not None:  # a flag neither set nor defaulted: one error, before any run
         advice = _within_batch(advice, rerun.value_of(batch_arg))
     measured: Measured = {}
@@ -57,7 +57,8 @@ def verify(advice: Advice, rerun: Rerun, batch_arg: str | None,
         if verifiable(ranked.remedy, batch_arg):
             progress(ranked.remedy.title)
             measured[ranked.remedy.key] = attempt(rerun, [ranked.remedy.verify], batch_arg)
-    idle = tuple(idle_remedies(measured))
+    # what measured no saving, and what the script could not run with, is not planned
+    idle = (*idle_remedies(measured), *(k for k, m in measured.items() if isinstance(m, Failed)))
     if any(step.remedy.key in idle for step in advice.plan.steps):
         kept = [r.remedy for r in advice.ranked if r.remedy.key not in idle]
         advice = replace(advice, plan=plan(advice.start, kept, advice.budget.bytes),
