@@ -233,6 +233,24 @@ def test_a_rerun_reaches_the_phase_that_held_the_recorded_peak(peak_event: int,
     assert _steps_to_peak(run) == steps
 
 
+def test_a_run_that_ended_on_its_own_after_few_steps_is_re_run_to_its_end() -> None:
+    """A dry run of one iteration (a GAN's two optimizers, then an evaluation): a re-run
+    stopped after that step would cut what came after it; one stopped by --steps 2 is
+    re-run for as many."""
+    from pathlib import Path
+
+    from memprof.advise.rerun import _steps_to_peak
+    from memprof.advise.source import Run
+
+    device = {"peak": {"event_index": 5}, "steps": [{"step": 1, "start": 0, "end": 10}]}
+    ended = Run(Path("report.json"), {"run": {"optimizer_steps": 1, "stopped_by": None}},
+                device, None, False)
+    assert _steps_to_peak(ended) is None
+    stopped = Run(Path("report.json"), {"run": {"optimizer_steps": 2, "stopped_by": "steps"}},
+                  device, None, False)
+    assert _steps_to_peak(stopped) == 2
+
+
 class _Rerun:
     """A re-run whose peak is 64 MiB per unit of --batch: the recorded run used 8."""
 

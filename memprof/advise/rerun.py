@@ -246,9 +246,11 @@ def _rank(run: Run, where: list[str], cards: int | None = None) -> Rank | None:
 def _steps_to_peak(run: Run) -> int | None:
     """The optimizer steps a re-run needs to reach the phase that held the recorded peak:
     ``RERUN_STEPS`` where the peak came in them, else all of the run (a peak in an
-    evaluation after training, say: None, no ``--steps``)."""
+    evaluation after training, say: None, no ``--steps``), as a run that ended on its own
+    after no more steps than that does (its evaluation, the generator's step of a GAN that
+    stepped once: what stopping at its last step would cut)."""
     done = run.facts.get("optimizer_steps") or 0
-    if not done:
+    if not done or (done <= RERUN_STEPS and run.facts.get("stopped_by") is None):
         return None
     steps = run.device.get("steps") or []
     if len(steps) < RERUN_STEPS and done >= RERUN_STEPS:
