@@ -202,6 +202,22 @@ def test_steps_that_read_the_same_share_a_row_and_the_peak_has_its_own() -> None
     assert "← peak" in rows[1][1] and "← peak" not in rows[2][1]
 
 
+def test_a_peak_after_the_last_step_has_its_own_row_and_no_step_is_marked() -> None:
+    """ViT's evaluation after its one training step: its peak is the run's."""
+    from rich.console import Console
+
+    from memprof.analysis.findings import StepPeak
+    from memprof.report.console import steps_table
+
+    steps = [StepPeak(1, 0, 10, 80 * MIB, 12 * MIB), StepPeak(2, 10, 20, 87 * MIB, 12 * MIB)]
+    console = Console(width=100, record=True)
+    console.print(steps_table(steps, peak_event=25, peak_bytes=95 * MIB))
+    rows = [line.split() for line in console.export_text().splitlines()[2:] if line.strip()]
+    assert [r[:2] for r in rows] == [["1", "80.00"], ["2", "87.00"], ["after", "2"]]
+    assert "← peak" in " ".join(rows[2]) and "95.00 MiB" in " ".join(rows[2])
+    assert not any("←" in " ".join(r) for r in rows[:2])
+
+
 def test_a_long_run_of_distinct_steps_shows_its_ends_and_its_peak() -> None:
     peaks = [(k + 1) * MIB for k in range(100)]
     peaks[40] = 500 * MIB  # step 41

@@ -200,7 +200,8 @@ def modules_table(live: Live, moment: str) -> Table:
 MAX_STEP_ROWS = 16
 
 
-def steps_table(steps: list[StepPeak]) -> Table:
+def steps_table(steps: list[StepPeak], peak_event: int | None = None,
+                peak_bytes: int = 0) -> Table:
     """Peak and retained memory per optimizer step: consecutive steps that read the same
     share a row, the peak's step has its own, and a long run shows its first and last rows."""
     t = Table(title="Per step (steps end at optimizer.step())", title_justify="left", box=None,
@@ -208,7 +209,10 @@ def steps_table(steps: list[StepPeak]) -> Table:
     t.add_column("step", justify="right")
     t.add_column("peak allocated", justify="right")
     t.add_column("allocated after the step", justify="right")
-    top = max(steps, key=lambda p: p.peak_allocated_bytes)
+    # the run's peak outside every step (an evaluation after the last, the model built
+    # before the first): a row of its own, and no step marked
+    outside = peak_event is not None and not any(p.start <= peak_event < p.end for p in steps)
+    top = None if outside else max(steps, key=lambda p: p.peak_allocated_bytes)
     runs: list[list[StepPeak]] = []
     for p in steps:
         last = runs[-1][-1] if runs else None
@@ -218,7 +222,7 @@ def steps_table(steps: list[StepPeak]) -> Table:
             runs.append([p])
         else:
             runs[-1].append(p)
-    peak_run = next(i for i, run in enumerate(runs) if run[0] is top)
+    peak_run = next((i for i, run in enumerate(runs) if run[0] is top), 0)
     half = MAX_STEP_ROWS // 2
     shown = set(range(len(runs))) if len(runs) <= MAX_STEP_ROWS else \
         {*range(half), *range(len(runs) - half + 1, len(runs)), peak_run}
@@ -231,6 +235,10 @@ def steps_table(steps: list[StepPeak]) -> Table:
         label = str(first.step) if first is last else f"{first.step}–{last.step}"
         mark = " ← peak" if first is top else ""
         t.add_row(label, fb(first.peak_allocated_bytes) + mark, fb(first.end_allocated_bytes))
+    if outside:
+        after = peak_event >= steps[-1].end  # type: ignore[operator]
+        t.add_row(f"after {steps[-1].step}" if after else f"before {steps[0].step}",
+                  f"{fb(peak_bytes)} ← peak", "")
     return t
 
 
@@ -239,7 +247,8 @@ def step_section(d: DeviceFindings) -> list[Table | Text]:
     if d.step_growth.verdict == NO_STEPS:
         why = NO_STEPS_FOREIGN if d.categories_inferred else NO_STEPS_RECORDED
         return [Text(f"No step section: {why}.", "yellow")]
-    return [steps_table(d.steps), growth_text(d.step_growth, d.leak)]
+    return [steps_table(d.steps, d.peak_event_index, d.peak_allocated_bytes),
+            growth_text(d.step_growth, d.leak)]
 
 
 def growth_text(growth: StepGrowth, leak: Leak | None) -> Text:
