@@ -196,6 +196,36 @@ def test_update_baseline_writes_the_current_report(runs, tmp_path):
     assert json.loads((folder / "report.json").read_text()) == report(runs["wider"])
 
 
+def ranks(where: Path, *runs: Path) -> Path:
+    """A folder of ranks, ``rank-K/report.json`` the report of ``runs[K]`` on cuda:K."""
+    for rank, run in enumerate(runs):
+        data = report(run)
+        for d in data["devices"]:
+            d["device"] = rank
+        (where / f"rank-{rank}").mkdir(parents=True)
+        (where / f"rank-{rank}" / "report.json").write_text(json.dumps(data))
+    return where
+
+
+def test_every_rank_of_a_distributed_run_is_gated(runs, tmp_path):
+    """Rank 1 grows, rank 0 does not: the worst rank differs between the runs."""
+    base = ranks(tmp_path / "base", runs["base"], runs["base"])
+    grown = ranks(tmp_path / "grown", runs["base"], runs["wider"])
+    result = check(tmp_path, grown, "--baseline", base)
+    assert result.code == 1, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("OK: device 0 rank 0: peak allocated is unchanged")
+    assert lines[1].startswith("REGRESSION: device 1 rank 1: peak allocated grew")
+    assert check(tmp_path, grown, "--baseline", base, "--device", "0").code == 0
+    # every rank's report as one baseline file, which the same run then passes
+    baseline = tmp_path / "memory.json"
+    assert check(tmp_path, grown, "-b", baseline, "--update-baseline").code == 0
+    assert check(tmp_path, grown, "-b", baseline).code == 0
+    assert check(tmp_path, base, "-b", baseline).code == 0  # smaller: an improvement
+    refused = check(tmp_path, grown, "-b", base, "--update-baseline")
+    assert refused.code == 2 and "give --baseline a file" in refused.stderr
+
+
 @pytest.mark.parametrize(("name", "edit", "message"), [
     ("device", lambda d: d["run"].update(device="cuda (NVIDIA A10)"), "the device differs"),
     ("virtual", lambda d: d["run"].update(virtual_gpu={"spec": "A10"}), "virtual GPU differs"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -55,7 +56,7 @@ def check(
     from memprof.gate.compare import Incomparable, compare
     from memprof.gate.metrics import parse_limit, parse_metric
     from memprof.gate.render import FORMATS, render, text
-    from memprof.gate.reports import load_report, report_path
+    from memprof.gate.reports import load_ranks, report_path
     from memprof.report.files import write_atomic
 
     if fmt not in (*FORMATS, "html"):
@@ -64,13 +65,18 @@ def check(
         chosen, limit = parse_metric(metric), parse_limit(max_increase)
     except ValueError as exc:
         raise MemprofError(str(exc)) from None
-    mine = load_report(current, "current")
+    mine = load_ranks(current, "current")
     if update_baseline:
+        if mine.path.is_dir() and baseline.is_dir():
+            raise MemprofError(f"--update-baseline {baseline}: every rank's report becomes one"
+                               " baseline file; give --baseline a file (memory-baseline.json)")
         target = report_path(baseline)
-        write_atomic(target, lambda tmp: tmp.write_bytes(mine.path.read_bytes()), overwrite=True)
+        whole = json.dumps(mine.data, indent=2).encode() if mine.path.is_dir() \
+            else mine.path.read_bytes()  # every rank's, as one report
+        write_atomic(target, lambda tmp: tmp.write_bytes(whole), overwrite=True)
         typer.echo(f"Baseline updated: {target} now holds {mine.path}", err=True)
         return
-    theirs = load_report(baseline, "baseline")
+    theirs = load_ranks(baseline, "baseline")
     try:
         verdict = compare(mine, theirs, chosen, limit, device, allow_different)
     except Incomparable as exc:

@@ -84,6 +84,21 @@ def load_report(source: Path, role: str) -> Report:
     return Report(path, data)
 
 
+def load_ranks(source: Path, role: str) -> Report:
+    """The report ``check`` compares: a run's, or, in a folder of ranks (``rank-K/``, or the
+    ranks a script spawned), every rank's as one, each rank's devices under its rank (the
+    run's facts are the first rank's)."""
+    from memprof.report.cluster import rank_reports
+
+    ranks = rank_reports(source) if source.is_dir() else {}
+    if len(ranks) < 2:
+        return load_report(source, role)
+    reports = {rank: load_report(path, role) for rank, path in ranks.items()}
+    first = next(iter(reports.values()))
+    devices = [{**d, "rank": rank} for rank, r in reports.items() for d in r.data["devices"]]
+    return Report(source, {**first.data, "devices": devices})
+
+
 def _problem(data: Any) -> str | None:
     if not isinstance(data, dict):
         return "expected a JSON object"
