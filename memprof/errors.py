@@ -16,3 +16,8 @@ class Refusal(RuntimeError):
     """memprof refusing, inside the script's own call, to go on with a script as it was
     launched: the script ends there as if it raised, and the message is said in one line,
     without a traceback (by rank 0 alone)."""
+
+
+class Unsupported(NotImplementedError):
+    """What memprof cannot model, raised inside the script's call: the script ends there as
+    if it raised, its traceback shown with the script's frames only."""

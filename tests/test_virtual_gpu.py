@@ -27,6 +27,7 @@ from test_run_cli import (
     flags,
     load_sample,
     memprof_here,
+    memprof_run,
     report,
     run_python,
 )
@@ -753,6 +754,27 @@ def test_sizes_set_by_values_are_their_largest_and_unique_is_refused(
                            " memprof's virtual GPU cannot run aten._unique2.default")
     assert "--device cpu" in last and "The above exception" not in result.stderr
     assert report(where / "out")["run"]["exit"]["status"] == "raised"
+
+
+def test_a_sparse_tensor_on_the_card_is_refused_not_charged_as_dense(tmp_path: Path) -> None:
+    """A graph's adjacency (10,000 x 10,000 with 50,000 entries) moved to the card: it
+    would have been charged as 400 MB of dense floats."""
+    code = ("import torch\n"
+            "i = torch.randint(0, 10_000, (2, 50_000))\n"
+            "adjacency = torch.sparse_coo_tensor(i, torch.rand(50_000), (10_000, 10_000))\n"
+            "adjacency.to('cuda')\n")
+    (tmp_path / "sparse.py").write_text(code)
+    result = memprof_run(tmp_path, "--no-timeline", "-o", tmp_path / "out", "sparse.py")
+    assert result.code == 1
+    last = result.stderr.strip().splitlines()
+    refused = next(line for line in last if "VirtualGpuUnsupported" in line)
+    assert refused.endswith("memprof's virtual GPU cannot run sparse_coo tensors on CUDA (it"
+                            " models strided tensors only, and would charge this one as"
+                            " dense); keep it on the host, or profile the script on a GPU or"
+                            " its host tensors with --device cpu")
+    # the script's own line, not memprof's frames under it
+    assert 'File "' + str(tmp_path / "sparse.py") in result.stderr
+    assert "memprof/collect" not in result.stderr.split("Traceback")[1]
 
 
 def test_cuda_graphs_capture_into_a_private_pool_and_replay_without_allocating(

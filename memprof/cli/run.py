@@ -336,7 +336,8 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
             failed_in = extension_failure(recording.outcome)
         if speaks and failed_in:
             notes.print(plain(failed_in))
-        elif speaks and recording.virtual_gpu and not children and not findings.devices:
+        elif speaks and recording.virtual_gpu and not children and not findings.devices \
+                and not (recording.outcome.error or "").startswith("VirtualGpuUnsupported"):
             notes.print(plain(f"memprof: the script made no CUDA tensor, so the virtual"
                               f" {recording.virtual_gpu['spec']} held nothing; --device cpu"
                               " profiles its host tensors instead"))

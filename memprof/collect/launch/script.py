@@ -19,7 +19,7 @@ from typing import Any
 
 import memprof
 from memprof.collect.launch.endings import HANDLER_CODES, Stop
-from memprof.errors import MemprofError, Refusal
+from memprof.errors import MemprofError, Refusal, Unsupported
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +226,7 @@ def _print_user_traceback(hook_before: object) -> None:
     """Print the current exception without memprof's frames (``_user_frames``), with the
     script's own ``sys.excepthook`` when it set one (not the hook it found)."""
     exc_type, exc, tb = sys.exc_info()
-    tb = _user_frames(tb)
+    tb = _user_frames(tb, isinstance(exc, Unsupported))
     if sys.excepthook is not hook_before and exc_type is not None and exc is not None:
         kept = exc.__traceback__
         try:  # the hook may print the exception's own traceback (torch.distributed's does)
@@ -250,12 +250,14 @@ def _print_user_traceback(hook_before: object) -> None:
         sys.last_exc = exc  # type: ignore[attr-defined]
 
 
-def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+def _user_frames(tb: types.TracebackType | None, deliberate: bool = False
+                 ) -> types.TracebackType | None:
     """``tb`` as Python alone would have printed it: from the first frame outside memprof
     and runpy, and, past a frame of memprof's inside the script (its dispatch mode, or the
     virtual GPU's), without memprof's frames or torch's under them: the operator's Python
     implementation there (the mode's call, fake tensors' reference kernels) is C++ in a
-    plain run, which shows no frame. All are kept when memprof's own code raised."""
+    plain run, which shows no frame. All are kept when memprof's own code raised, but for
+    ``deliberate``: what memprof cannot model (:class:`~memprof.errors.Unsupported`)."""
     frames = []
     while tb is not None:
         frames.append(tb)
@@ -272,7 +274,7 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
         frames.pop(0)
     if frames and frames[-1].tb_frame.f_code in HANDLER_CODES:  # raised by a signal handler
         frames.pop()
-    if frames and not ours(frames[-1].tb_frame.f_code.co_filename):
+    if frames and (deliberate or not ours(frames[-1].tb_frame.f_code.co_filename)):
         kept, inside = [], False
         for t in frames:
             name = t.tb_frame.f_code.co_filename

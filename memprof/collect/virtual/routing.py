@@ -31,6 +31,7 @@ from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.dtensors import is_dtensor, on_card, with_local
 from memprof.collect.virtual.subclasses import SET_DATA, host_twin, kind_of, plain, set_data
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor, adopt, virtual_like
+from memprof.collect.virtual.unsupported import strided_only
 
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
@@ -207,6 +208,7 @@ def _on_device(out: torch.Tensor) -> torch.Tensor:
         return out
     if isinstance(out, VirtualTensor):  # made from host-side virtual tensors
         return adopt(VirtualTensor(out.elem, requires_grad=out.requires_grad, value=out.value))
+    strided_only(out)
     return adopt(VirtualTensor(out))
 
 

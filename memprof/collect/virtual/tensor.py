@@ -26,6 +26,7 @@ from memprof.collect.virtual.autocast import AUTOCAST_CUDA
 from memprof.collect.virtual.collectives import COLLECTIVES, collective
 from memprof.collect.virtual.kernel_memory import output_storage_bytes
 from memprof.collect.virtual.meta_cache import MetaCache
+from memprof.collect.virtual.unsupported import strided_only
 from memprof.collect.virtual.value_sizes import note_sized_by_values, unsupported_operator
 
 CUDA = torch.device("cuda", 0)  # the card's device: set_card_index changes it
@@ -344,6 +345,7 @@ def virtual_like(t: torch.Tensor, dtype: torch.dtype | None = None,
                  kind: type[VirtualTensor] = VirtualTensor) -> VirtualTensor:
     """A new virtual tensor (CUDA, or ``HostVirtualTensor``) with ``t``'s shape and strides:
     a host-to-device copy."""
+    strided_only(t)
     dense = t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
     stride = t.stride() if dense else None
     with torch._C.DisableTorchFunction():
