@@ -204,7 +204,8 @@ def run(
         options = rank_options(card, device, settings.conf, max_entries, top, steps, seconds,
                                timeline, max_peak)
         raise typer.Exit(run_cluster(run_command(target)[2:], target.stem, layout, output,
-                                     force, options, card))
+                                     force, options, card,
+                                     (settings.conf, steps) if need else None))
     if ranks is not None:
         raise MemprofError("--ranks chooses among the ranks of --nproc-per-node; give"
                            " --nproc-per-node N too")

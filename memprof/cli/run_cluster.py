@@ -13,13 +13,16 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
+from memprof.cli.cluster_need import cluster_need, worst_need
 from memprof.collect.launch.ranks import Ranks, parse_ranks, representatives, run_ranks
 from memprof.collect.virtual.cards import Card, card_args
 from memprof.errors import MemprofError
 from memprof.report.cluster import cluster_summary, ranges, read_cluster, render_cluster
 from memprof.report.json import write_json
 from memprof.report.run_folder import FILE_NAMES, claim, rank_folder, run_folder, unclaim
+from memprof.report.run_summary import need_line
 from memprof.report.text import plain
 
 CLUSTER_FILE = "cluster.json"  # the whole run's summary, beside the ranks' reports
@@ -47,10 +50,13 @@ def cluster_ranks(nodes: int, per_node: int, chosen: str | None, card: Card | No
 
 
 def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None,
-                force: bool, options: list[str], card: Card | None) -> int:
+                force: bool, options: list[str], card: Card | None,
+                need: tuple[str, int | None] | None = None) -> int:
     """Run ``command`` (the script and its arguments, as after ``memprof run``) as
     ``ranks``, each rank under ``memprof run OPTIONS`` on a virtual ``card`` (None: a GPU);
-    print the summary; the exit code."""
+    print the summary; the exit code. With ``need`` (the allocator settings and the steps
+    asked for), a world that ran out of memory on virtual cards is run again with their
+    memory raised to tell what each rank needs (``cluster_need.py``)."""
     folder = run_folder(stem, output, 1).absolute()
     running = ranks.chosen if ranks.chosen is not None else range(ranks.world_size)
     for rank in running:  # every rank's folder, before any rank starts
@@ -82,10 +88,22 @@ def run_cluster(command: list[str], stem: str, ranks: Ranks, output: Path | None
         cluster = read_cluster(folder, world, started, "a rank failed before they started")
     else:
         cluster = read_cluster(folder, world, ranks.chosen, ranks.why)
-    write_json(cluster_summary(cluster, ranks.nodes, ranks.per_node), folder / CLUSTER_FILE)
+    needed = None
+    if need is not None and card is not None and cluster.first_out_of_memory() is not None:
+        notes.print(plain(f"memprof: a rank ran out of memory, so every rank's peak is a lower"
+                          f" bound; running the ranks again on virtual {card.name} cards with"
+                          " their memory raised to tell what each needs (--no-need skips"
+                          " this)"))
+        needed = worst_need(cluster_need(command, ranks, folder, card, need[0], cluster,
+                                         need[1], at_once))
+    summary = cluster_summary(cluster, ranks.nodes, ranks.per_node)
+    write_json({**summary, "need": needed} if needed else summary, folder / CLUSTER_FILE)
     notes.print(plain(f"memprof run {shlex.join(command)}: {ranks_word} on"
                       f" {cluster.card or 'the GPUs'}"))
     render_cluster(cluster, notes)
+    if needed is not None:
+        notes.print(Text.assemble(f"Rank {needed['rank']}: ",
+                                  need_line(needed, card.name if card else None)))
     notes.print()
     inside = "rank-K/, a run folder per rank" if world > 1 else "the rank's report"
     notes.print(plain(f"Run folder: {folder}/ ({inside}, and {CLUSTER_FILE})"))

@@ -45,6 +45,7 @@ class RankPeak:
     # what was allocated at its peak, by category (its device with the highest peak)
     categories: dict[str, int] = field(default_factory=dict)
     world: int = 1  # the size of the world it was a rank of
+    oom_request: int = 0  # the request that ran out of memory (bytes), where one did
 
     @property
     def on_card(self) -> int:
@@ -133,7 +134,9 @@ def _peak(rank: int, path: Path) -> RankPeak:
                      str(gpu.get("spec") or run.get("device") or ""),
                      (run.get("model") or {}).get("parallelism"),
                      {str(k): int(v) for k, v in (top.get("categories") or {}).items()},
-                     int(run.get("world_size") or 1))
+                     int(run.get("world_size") or 1),
+                     max((int((d.get("oom") or {}).get("requested_bytes") or 0)
+                          for d in devices), default=0))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return RankPeak(rank, None)
 
@@ -211,7 +214,9 @@ def _verdict(cluster: Cluster, cut_short: bool = False) -> str:
     ``cut_short`` by a failure, what the worst rank held until then."""
     first = cluster.first_out_of_memory()
     if first is not None:
-        error = (first.exit or {}).get("error") or "out of memory"
+        # the script's own handler may have caught PyTorch's error (and exited)
+        error = (first.exit or {}).get("error") or \
+            f"CUDA out of memory. Tried to allocate {fb(first.oom_request)}"
         return (f"out of memory on rank {first.rank} at step {first.steps + 1}:"
                 f" {error.split(' See documentation')[0].strip()}")
     worst = cluster.worst()

@@ -102,11 +102,13 @@ def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
     return tuple(sorted(chosen))
 
 
-def run_ranks(ranks: Ranks, command: list[str], at_once: int | None = None
-              ) -> list[RankExit]:
+def run_ranks(ranks: Ranks, command: list[str], at_once: int | None = None,
+              quiet: bool = False) -> list[RankExit]:
     """Run ``command`` once per running rank, all at once or ``at_once`` at a time (ranks
-    on virtual cards wait for no other); how each ended, in rank order. Once a rank has
-    failed, the ranks not started yet are not started (``started`` False)."""
+    on virtual cards wait for no other), their output discarded where ``quiet``; how each
+    ended, in rank order. Once a rank has failed, the ranks not started yet are not started
+    (``started`` False)."""
+    output = subprocess.DEVNULL if quiet else None
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -116,7 +118,8 @@ def run_ranks(ranks: Ranks, command: list[str], at_once: int | None = None
             SAID_DIR: said.name}
     launch = _Launch(list(ranks.running), at_once or len(ranks.running),
                      lambda r: subprocess.Popen(command, env={
-                         **base, **ranks.environment(r, port, run_id)}))
+                         **base, **ranks.environment(r, port, run_id)},
+                         stdin=output, stdout=output, stderr=output))
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: launch.stop())
     try:
         launch.run()

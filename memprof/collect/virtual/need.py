@@ -120,10 +120,12 @@ def predict_need(target: Target, card: Card, conf: str, steps_made: int,
     except (OSError, ValueError):
         last = done.stderr.strip().splitlines()[-1:] or ["no output"]
         return f"the re-run with the memory raised wrote no report ({last[0][:200]})"
-    return _need(report, card, allowed)
+    return need_of(report, card, allowed)
 
 
-def _need(report: dict[str, Any], card: Card, allowed: int | None) -> Need | str:
+def need_of(report: dict[str, Any], card: Card, allowed: int | None = None) -> Need | str:
+    """What the run that wrote ``report``, a re-run with the memory raised, needs on
+    ``card``, or why that cannot be told."""
     run = report["run"]
     device = report["devices"][0] if report["devices"] else None
     if device is None:
