@@ -14,6 +14,7 @@ import pytest
 from test_run_cli import SAMPLES, Result, load_sample, memprof_run, report, run_python
 
 from memprof.collect.virtual.cards import parse_spec
+from memprof.errors import MemprofError
 
 SMALL = parse_spec("2GiB")
 # 3 x Linear(8192, 8192) with Adam: 0.75 GiB of weights, as much of gradients and twice of
@@ -172,3 +173,28 @@ def test_a_snapshot_that_ran_out_of_memory_is_a_lower_bound(tmp_path: Path) -> N
                           "--predict"], tmp_path)
     assert refused.code == 2 and refused.stderr.strip().count("\n") == 0
     assert "a snapshot records no command to re-run" in refused.stderr
+
+
+def test_a_run_given_a_size_is_re_run_on_that_size() -> None:
+    """``--virtual-gpu 6GiB``: its report names "GPU with 6 GiB", which --predict and
+    --verify re-run as the size it was."""
+    from memprof.advise.predict import card_of
+    from memprof.advise.rerun import _where
+    from memprof.advise.source import Run
+
+    facts = {"virtual_gpu": {"spec": "GPU with 6 GiB", "total_bytes": 6 << 30}}
+    run = Run(Path("report.json"), {"run": facts}, {}, None, False)
+    assert card_of(run).total_bytes == 6 << 30
+    assert _where(run.path, facts) == ["--virtual-gpu", str(6 << 30)]
+    with pytest.raises(MemprofError, match="not a card memprof knows"):
+        _where(run.path, {"virtual_gpu": {"spec": "GPU with lots", "total_bytes": "x"}})
+
+
+def test_predict_refuses_a_rank_of_a_world_in_one_line() -> None:
+    from memprof.advise.predict import predict
+    from memprof.advise.source import Run
+
+    run = Run(Path("report.json"), {"run": {"world_size": 2, "rank": 1}}, {}, None, False)
+    with pytest.raises(MemprofError, match="--predict re-runs one process; run the script"
+                       " with memprof run --nproc-per-node N"):
+        predict(run, None)  # type: ignore[arg-type]

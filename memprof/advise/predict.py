@@ -16,7 +16,7 @@ from typing import Any
 from memprof.advise.rerun import Rerun
 from memprof.advise.source import Run
 from memprof.collect.launch.script import Target
-from memprof.collect.virtual.cards import Card, parse_spec
+from memprof.collect.virtual.cards import Card, parse_spec, recorded_card
 from memprof.collect.virtual.need import NEED_FOLDER, Need, predict_need
 from memprof.errors import MemprofError
 from memprof.report.json import write_json
@@ -29,7 +29,11 @@ def card_of(run: Run) -> Card:
     memory and CUDA context the run measured."""
     virtual = run.facts.get("virtual_gpu")
     if isinstance(virtual, dict):
-        card = parse_spec(virtual["spec"])
+        try:
+            card = recorded_card(virtual)
+        except ValueError:
+            raise MemprofError(f"{run.path}: run.virtual_gpu.spec is not a card memprof"
+                               " knows") from None
         return replace(card, total_bytes=virtual.get("total_bytes", card.total_bytes))
     cuda = run.facts.get("cuda")
     total = cuda.get("total_bytes") if isinstance(cuda, dict) else None
@@ -51,6 +55,11 @@ def card_of(run: Run) -> Card:
 def predict(run: Run, rerun: Rerun) -> dict[str, Any]:
     """Re-run ``run``'s script on its card with the memory raised; write ``run.need`` into
     its report and return it."""
+    if (run.facts.get("world_size") or 1) > 1:
+        raise MemprofError(
+            f"{run.path}: a rank of a distributed run: --predict re-runs one process; run the"
+            " script with memprof run --nproc-per-node N --virtual-gpu CARD, which runs a world"
+            " that ran out of memory again with the memory raised")
     card = card_of(run)
     print(f"memprof: the run ran out of memory, so its peak is a lower bound; running it"
           f" again on the virtual {card.name} ({format_bytes(card.total_bytes)}) with its"

@@ -284,14 +284,12 @@ def _where(path: Path, facts: dict[str, Any]) -> list[str]:
     virtual = facts.get("virtual_gpu")
     if not isinstance(virtual, dict):
         return ["--device", "cpu" if facts.get("predicted") is True else "cuda"]
-    from memprof.collect.virtual.cards import parse_spec
+    from memprof.collect.virtual.cards import card_args, recorded_card
 
-    spec = virtual["spec"]
     try:
-        parse_spec(spec)
+        return card_args(recorded_card(virtual))[:2]  # a size: the memory the run was given
     except ValueError:
         raise MemprofError(f"{path}: run.virtual_gpu.spec is not a card memprof knows") from None
-    return ["--virtual-gpu", spec]
 
 
 def _bad_conf(conf: str) -> bool:

@@ -151,6 +151,18 @@ def parse_spec(text: str) -> Card:
     )
 
 
+def recorded_card(virtual: dict[str, object]) -> Card:
+    """The card a report's ``run.virtual_gpu`` names: by its spec, or by its memory where
+    the run was given a size ("GPU with 6 GiB"). ValueError where it is neither."""
+    spec, total = virtual.get("spec"), virtual.get("total_bytes")
+    try:
+        return parse_spec(str(spec))
+    except ValueError:
+        if not str(spec).startswith("GPU with ") or type(total) is not int:
+            raise
+        return parse_spec(str(total))
+
+
 def card_args(card: Card) -> list[str]:
     """The ``memprof run`` options that name ``card``: ``--virtual-gpu`` with its table name
     (and ``--virtual-gpu-memory`` where its memory was changed), or with its size."""
