@@ -716,6 +716,30 @@ def test_checkpoints_save_and_load_on_the_virtual_gpu(runs: dict[str, Future[Any
     assert len(weights) == 5
 
 
+def test_folders_made_for_a_checkpoint_that_went_to_scratch_are_not_left_empty(
+        tmp_path: Path) -> None:
+    """pytorch/examples' FSDP2 example resumes from its newest checkpoint folder: one left
+    empty would make its next run fail to load."""
+    code = ("import os, pathlib, torch\n"
+            "model = torch.nn.Linear(64, 64).cuda()\n"
+            "os.makedirs('checkpoints/dtensor_api/1700000000')\n"
+            "torch.save(model.state_dict(), 'checkpoints/dtensor_api/1700000000/model.pt')\n"
+            "pathlib.Path('kept/here').mkdir(parents=True)\n"
+            "torch.save(model.state_dict(), 'kept/here/model.pt')\n"
+            "open('kept/here/log.txt', 'w').close()  # not empty: kept\n"
+            "os.makedirs('logs')  # not on the way to a checkpoint: the script's\n"
+            "os.makedirs('existing/new')\n"
+            "torch.save(model.state_dict(), 'existing/new/model.pt')\n")
+    (tmp_path / "existing").mkdir()  # made before the run: not the run's to remove
+    (tmp_path / "ckpt.py").write_text(code)
+    result = memprof_run(tmp_path, "--no-timeline", "-o", tmp_path / "out", "ckpt.py")
+    assert result.code == 0, result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+    assert sorted(p.name for p in (tmp_path / "kept" / "here").iterdir()) == ["log.txt"]
+    assert (tmp_path / "logs").is_dir() and (tmp_path / "existing").is_dir()
+    assert not (tmp_path / "existing" / "new").exists()
+
+
 def test_a_deep_copy_of_a_model_on_the_card_holds_parameters_and_buffers(
         runs: dict[str, Future[Any]]) -> None:
     """The model and its EMA copy: twice (1024 x 1024 + 1024 + 2 x 1024) fp32 parameters,

@@ -13,10 +13,14 @@ by the run's own ``torch.load`` of that path: a file of placeholders must not re
 user's real checkpoint (``out/ckpt.pt`` from a GPU run, say). The script's own moves,
 copies and removals of that path (``os.replace(tmp, last)``, as an atomic save does;
 ``shutil.copyfile``, ``os.remove``) and its ``os.path.exists`` follow the scratch file.
+Folders the script made during the run on the way to such a path are removed at its end
+where they stayed empty: a run that resumes from the newest checkpoint folder (an example's
+``checkpoints/<time>/``) would otherwise find an empty one and fail to load it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -66,6 +70,9 @@ class Checkpoints:
         self._scratch: str | None = None  # the folder of the scratch files, made at need
         self._redirects: dict[str, str] = {}  # real path -> its scratch file
         self._made = 0  # scratch files named so far
+        self._saved_to: set[str] = set()  # every real path a scratch file stood for
+        self._created: list[str] = []  # the folders the script made, in order
+        self._mkdir = os.mkdir
         # the originals, for the scratch files themselves
         self._copyfile, self._unlink = shutil.copyfile, os.unlink
 
@@ -78,6 +85,7 @@ class Checkpoints:
                 **{(os, name): self._following(getattr(os, name), self._remove)
                    for name in ("remove", "unlink")},
                 (shutil, "copyfile"): self._following(shutil.copyfile, self._copy),
+                (os, "mkdir"): self._made_folder,  # os.makedirs and Path.mkdir call it
                 (os, "link"): self._following(os.link, self._copy),
                 **{(os.path, name): self._found(getattr(os.path, name))
                    for name in ("exists", "isfile")}}
@@ -102,6 +110,7 @@ class Checkpoints:
     def _move(self, real: str, dst: Any, *_: Any) -> None:
         """``os.replace``/``os.rename``: the scratch file stands for ``dst`` now."""
         self._redirects[os.path.realpath(dst)] = self._redirects.pop(real)
+        self._saved_to.add(os.path.realpath(dst))
 
     def _copy(self, real: str, dst: Any, *_: Any) -> Any:
         """``shutil.copyfile``/``os.link``: ``dst`` gets a copy of the scratch file."""
@@ -118,6 +127,12 @@ class Checkpoints:
             return self._redirected(path) is not None or original(path)
         return found
 
+    def _made_folder(self, path: Any, *args: Any, **kwargs: Any) -> None:
+        """``os.mkdir``, remembering the folder it made."""
+        self._mkdir(path, *args, **kwargs)
+        if isinstance(path, (str, os.PathLike)) and "dir_fd" not in kwargs:
+            self._created.append(os.path.realpath(path))
+
     def _scratch_of(self, path: Any) -> str:
         """The scratch file that stands for ``path`` (made at need)."""
         if self._scratch is None:
@@ -126,6 +141,7 @@ class Checkpoints:
         if real not in self._redirects:
             self._made += 1
             self._redirects[real] = os.path.join(self._scratch, f"{self._made}.pt")
+            self._saved_to.add(real)
         return self._redirects[real]
 
     def install(self) -> None:
@@ -140,6 +156,18 @@ class Checkpoints:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
         self._redirects.clear()
+        self._remove_empty_folders()
+
+    def _remove_empty_folders(self) -> None:
+        """The folders the script made on the way to a path saved to a scratch file, where
+        they stayed empty (the deepest first)."""
+        ways = {os.path.dirname(p) for p in self._saved_to}
+        for folder in reversed(self._created):
+            if any(way == folder or way.startswith(folder + os.sep) for way in ways):
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # only an empty one
+        self._created.clear()
+        self._saved_to.clear()
 
     def load(self, f: Any, *args: Any, **kwargs: Any) -> Any:
         """``torch.load``: real tensors the checkpoint puts on CUDA become virtual ones; a
@@ -161,8 +189,9 @@ class Checkpoints:
         if not self._told:
             self._told = True
             say(f"memprof: virtual GPU: torch.save({os.fspath(f)}) holds virtual tensors (no"
-                " weights): it went to a scratch file, the path is left as it was, and"
-                " torch.load in this run reads it back")
+                " weights): it went to a scratch file, the path is left as it was (folders"
+                " made for it are removed if they stay empty), and torch.load in this run"
+                " reads it back")
         self._save(obj, scratch, *args, **kwargs)
 
     def _to_host(self, storage: Any, location: str) -> Any:
