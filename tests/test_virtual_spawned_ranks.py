@@ -102,8 +102,14 @@ def test_explain_and_check_read_the_spawned_ranks(spawned: tuple[Result, Path]) 
     explained = run_python(["-m", "memprof", "explain", out], out.parent)
     assert explained.code == 0, explained.stderr
     assert "rank 0, device 0" in explained.stdout and "rank 1, device 1" in explained.stdout
-    checked = memprof_here(out.parent, "check", out, "--baseline", out / "child-1")
+    checked = memprof_here(out.parent, "check", out, "--baseline", out)  # rank by rank
     assert checked.code == 0 and "unchanged" in checked.stdout
+    # one card of the node: the rank that ran on it
+    one = run_python(["-m", "memprof", "explain", out, "--device", "1"], out.parent)
+    assert "rank 1, device 1" in one.stdout and "rank 0" not in one.stdout
+    none = run_python(["-m", "memprof", "explain", out, "--device", "5"], out.parent)
+    assert none.code == 2 and none.stderr.strip() == f"memprof: error: {out}: no rank ran on" \
+        " device [5]"
 
 
 def test_a_spawned_rank_is_re_run_as_its_world_on_as_many_cards(
@@ -133,6 +139,9 @@ def test_cards_are_refused_where_a_launcher_or_a_gpu_gives_them(tmp_path: Path) 
         assert result.code == 2
         assert result.stderr.startswith("memprof: error: --cards 2: the cards of a virtual")
         assert len(result.stderr.strip().splitlines()) == 1
+    nodes = memprof_run(tmp_path, "--nnodes", "2", "-c", "pass")  # not silently one node
+    assert nodes.code == 2 and nodes.stderr.strip() == "memprof: error: --nnodes counts nodes" \
+        " of the ranks of --nproc-per-node; give --nproc-per-node N too"
 
 
 STOPPED = """\
@@ -172,3 +181,12 @@ def test_a_signalled_run_ends_its_spawned_ranks_with_their_reports(tmp_path: Pat
             block(256 * 256 * F32) + block(256 * F32)
     assert "2 child processes made CUDA tensors" in result.stderr
     assert "made no CUDA tensor, so" not in result.stderr
+
+
+def test_a_torchrun_script_run_alone_is_told_to_launch_its_ranks(tmp_path: Path) -> None:
+    result = memprof_run(tmp_path, "--no-timeline", "-o", tmp_path / "out", "-c",
+                         "import os; rank = int(os.environ['LOCAL_RANK'])")
+    assert result.code == 1
+    assert "memprof: the script reads torchrun's LOCAL_RANK, which only a launcher sets: run" \
+        " it as torchrun would with memprof run --nproc-per-node N" in result.stderr
+    assert "--device cpu" not in result.stderr  # not "made no CUDA tensor"

@@ -105,11 +105,15 @@ def explain(
             if recorded is not None:
                 snap.settings = recorded
             if device and not set(device) & set(snap.devices):
+                if len(snapshots) > 1:  # a rank on another card of the node
+                    continue
                 raise MemprofError(f"{path}: no device {device} in this snapshot"
                                    f" (it has {snap.devices or 'none'})")
             per_rank.append(analyse(snap, str(path), devices=device or None, top=top,
                                     what_ifs=settings, rank=rank, device_memory=limit))
             del snap
+    if not per_rank:
+        raise MemprofError(f"{snapshot}: no rank ran on device {device}")
     findings = merge_ranks(str(snapshot), per_rank) if is_dir else per_rank[0]
     out = Console()
     if json and to_stdout:

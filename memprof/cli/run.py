@@ -16,7 +16,7 @@ from rich.console import Console
 from memprof.cli.options import flag
 from memprof.cli.run_options import max_peak as max_peak_bytes
 from memprof.cli.run_options import virtual_card
-from memprof.cli.run_report import gate, run_command, run_facts
+from memprof.cli.run_report import gate, launcher_hint, run_command, run_facts
 from memprof.errors import MemprofError
 from memprof.trace.fields import describe
 
@@ -206,9 +206,10 @@ def run(
         raise typer.Exit(run_cluster(run_command(target)[2:], target.stem, layout, output,
                                      force, options, card,
                                      (settings.conf, steps) if need else None))
-    if ranks is not None:
-        raise MemprofError("--ranks chooses among the ranks of --nproc-per-node; give"
-                           " --nproc-per-node N too")
+    if ranks is not None or nnodes > 1:
+        what = "--ranks chooses among" if ranks is not None else "--nnodes counts nodes of"
+        raise MemprofError(f"{what} the ranks of --nproc-per-node; give --nproc-per-node N"
+                           " too")
     rank, world = torchrun_rank()
     # the script may chdir; each rank of a distributed run writes a run folder of its own
     folder = rank_folder(run_folder(target.stem, output, world).absolute(), rank, world)
@@ -331,8 +332,9 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
                     render_run(d, facts, notes)
             if plot is not None:
                 plot.wait()
-        failed_in = None  # a library of CUDA kernels the script died in, named
-        if recording.virtual_gpu:
+        # a library of CUDA kernels the script died in, or the launcher it expected, named
+        failed_in = launcher_hint(recording.outcome.error)
+        if recording.virtual_gpu and failed_in is None:
             from memprof.collect.virtual.extensions import extension_failure
             failed_in = extension_failure(recording.outcome)
         if speaks and failed_in:

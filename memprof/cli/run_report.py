@@ -73,3 +73,20 @@ def _peak_reserved(d: DeviceFindings) -> int:
     where that was more (reserved where counted, else allocated: a lower bound)."""
     earlier = d.peak_before_window()
     return max([d.peak_reserved_bytes, *(v for v in (earlier or ())[:2] if v)])
+
+
+_TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+             "MASTER_PORT")
+
+
+def launcher_hint(error: str | None) -> str | None:
+    """memprof's line for a script that died reading what torchrun sets (``KeyError:
+    'LOCAL_RANK'``, env:// rendezvous without ``RANK``) outside a launcher; else None."""
+    if not error or "RANK" in os.environ:
+        return None
+    named = next((v for v in _TORCHRUN if f"KeyError: '{v}'" in error
+                  or f"environment variable {v} expected" in error), None)
+    if named is None:
+        return None
+    return (f"memprof: the script reads torchrun's {named}, which only a launcher sets: run it"
+            " as torchrun would with memprof run --nproc-per-node N (one process per GPU)")
