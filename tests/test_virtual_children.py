@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from test_run_cli import F32, block, memprof_here, memprof_run, report
+from test_run_cli import F32, block, memprof_here, memprof_run, report, run_python
 
 IN, OUT, BATCH, ONES = 256, 128, 32, 1000
 LINEAR = block(IN * OUT * F32) + block(OUT * F32)
@@ -76,6 +76,9 @@ def test_spawn_and_forkserver_children_each_get_a_virtual_card_and_a_report(
     parent = memprof_here(tmp_path, "suggest", out, "--budget", "1GB")
     assert parent.code == 2 and f"processes it spawned did: give one of their run folders, such" \
         f" as {out}/child-1" in parent.stderr
+    explained = run_python(["-m", "memprof", "explain", out], tmp_path)  # so does explain
+    assert explained.code == 2 and explained.stderr.strip().endswith(
+        f"give one of their run folders, such as {out}/child-1")
     child = memprof_here(tmp_path, "suggest", out / "child-1", "--budget", "1KB", "--verify")
     assert child.code == 2 and "the report of a process the script spawned" in child.stderr
 

@@ -167,12 +167,27 @@ def _snapshots(path: Path, is_dir: bool) -> list[tuple[int | None, Path]]:
         ranks = [(rank, snapshot) for rank, report in rank_reports(path).items()
                  if (snapshot := report.parent / "snapshot.pickle").is_file()]
         found = ranks or [(rank_of(p.parent), p) for p in sorted(path.glob("snapshot*.pickle"))]
+        children = sorted(path.glob("child-*/snapshot.pickle"))
     except OSError as exc:
         raise MemprofError(f"{path}: cannot list the folder ({exc.strerror})") from None
+    if not ranks and children and _made_nothing(path):
+        raise MemprofError(f"{path}: the script made no CUDA tensor itself; the processes it"
+                           " spawned did: give one of their run folders, such as"
+                           f" {children[0].parent}")
     if not found:
         raise MemprofError(f"{path}: a directory with no snapshot*.pickle; pass a snapshot file"
                            " or a memprof run folder")
     return found
+
+
+def _made_nothing(folder: Path) -> bool:
+    """Whether the run folder's report says its process made no CUDA tensor."""
+    import json
+
+    try:
+        return json.loads((folder / "report.json").read_bytes()).get("devices") == []
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _settings(conf: str, option: str, capped: bool) -> AllocatorSettings:
