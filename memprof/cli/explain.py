@@ -164,8 +164,10 @@ def _snapshots(path: Path, is_dir: bool) -> list[tuple[int | None, Path]]:
     if not is_dir:
         return [(None, path)]
     try:  # a cluster's (rank-K/, or the ranks the script spawned): per rank
-        ranks = [(rank, snapshot) for rank, report in rank_reports(path).items()
-                 if (snapshot := report.parent / "snapshot.pickle").is_file()]
+        ranks = sorted((rank, p) for p in path.glob("rank-*/snapshot.pickle")
+                       if (rank := rank_of(p.parent)) is not None) or [
+            (rank, snapshot) for rank, report in rank_reports(path).items()
+            if (snapshot := report.parent / "snapshot.pickle").is_file()]
         found = ranks or [(rank_of(p.parent), p) for p in sorted(path.glob("snapshot*.pickle"))]
         children = sorted(path.glob("child-*/snapshot.pickle"))
     except OSError as exc:
