@@ -108,13 +108,18 @@ def suggest(
     advice = advise(run, chosen, gpus)
     measured, batch = None, None
     if verify or fit_batch:
-        from memprof.advise.rerun import Rerun, given_command
+        from memprof.advise.rerun import RERUN_STEPS, Rerun, given_command
 
         rerun = Rerun.of(run, None if rerun_command is None else given_command(rerun_command))
+        if batch_arg is not None:
+            rerun.value_of(batch_arg)  # a flag neither set nor defaulted: its one line first
         if rerun.steps is None:
-            took = run.facts.get("duration_s")
-            notes.print(f"memprof: the run recorded no optimizer step, so each re-run runs the"
-                        f" whole script{f' ({took:.0f} s as recorded)' if took else ''}")
+            took, done = run.facts.get("duration_s"), run.facts.get("optimizer_steps") or 0
+            why = ("the run recorded no optimizer step" if not done else
+                   f"the run ended on its own after {done} optimizer steps" if
+                   done <= RERUN_STEPS else "the run's peak came after its first steps")
+            notes.print(f"memprof: {why}, so each re-run runs the whole script"
+                        f"{f' ({took:.0f} s as recorded)' if took else ''}")
         if verify:
             from memprof.advise.verify import BASELINE, unreproduced
             from memprof.advise.verify import verify as measure
