@@ -88,3 +88,37 @@ def test_removing_model_state_saves_its_bytes_and_the_cache_follows_activations(
     # half the activations: the cache goes down with the whole (the larger share)
     halved = start.scaled({ACTIVATIONS: 0.5})
     assert halved.reserved == int(70 * MiB + 40 * MiB * 70 / 80)
+
+
+def test_a_step_that_peaks_with_foreach_temporaries_is_offered_foreach_false() -> None:
+    from memprof.advise.optimizer_step import step_remedies
+
+    numels = [1000, 3000, 4000]  # the largest: half the parameters
+    step = peak(**{PARAMETERS: 32_000, OPTIMIZER_STATE: 64_000, TEMPORARIES: 64_000})
+    model = {"trainable_numels": numels, "optimizers": [{"class": "Adadelta", "foreach": None}]}
+    (remedy,) = step_remedies(step, Context(model))
+    assert remedy.verify == {"foreach": False}
+    assert remedy.change(step).at_step[TEMPORARIES] == 64_000 * 4000 // 8000
+    for opt in ({"class": "Adadelta", "foreach": False}, {"class": "Adam", "fused": True},
+                {"class": "AdamW8bit"}):
+        assert step_remedies(step, Context({**model, "optimizers": [opt]})) == []
+
+
+def test_verify_applies_foreach_false_and_attention_without_weights() -> None:
+    import torch
+
+    from memprof.collect.launch.apply import applied
+
+    weight = torch.nn.Parameter(torch.zeros(4))
+    with applied({"foreach": False}):
+        looped = torch.optim.Adam([weight])
+        fused = torch.optim.Adam([weight], fused=True)
+    assert looped.param_groups[0]["foreach"] is False
+    assert fused.param_groups[0]["foreach"] is None  # fused: left as made
+    assert torch.optim.Adam([weight]).param_groups[0]["foreach"] is None  # only while applied
+    attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.ones(1, 3, 8)
+    with applied({"attention_weights": False}):
+        assert attention(x, x, x)[1] is None
+        assert attention(x, x, x, None, True)[1] is None  # need_weights by position too
+    assert attention(x, x, x)[1] is not None

@@ -52,6 +52,19 @@ def _fused_attention(peak: Peak, ctx: Context) -> list[Remedy]:
     shape, dtype = facts["score_shape"], facts["score_dtype"]
     t, kept = shape[-1], _kept(facts)
     owner = facts.get("module") or "the attention module"
+    if owner == "MultiheadAttention":  # PyTorch's own: the fused kernel is a switch away
+        return [Remedy(
+            "fused_attention", "nn.MultiheadAttention called with need_weights=False",
+            "attention", 2, "none: the same output, from its fused kernel (faster too); the"
+            " averaged attention weights it returns become None", SEEDS["003_attention"],
+            f"the T x T attention weights it computes to return ({'x'.join(map(str, shape))}"
+            f" {dtype} the largest, {scores:,} bytes at the peak) are not kept;"
+            f" scaled_dot_product_attention keeps a {LSE_BYTES}-byte logsumexp per row"
+            " instead; the kernel's own workspace is not counted",
+            lambda p: p.without_tag(ATTENTION_SCORES, 1 - kept),
+            "# where the script calls its nn.MultiheadAttention (self.attn, say):\n"
+            "out, _ = self.attn(query, key, value, attn_mask=mask, need_weights=False)",
+            {"attention_weights": False})]
     return [Remedy(
         "fused_attention", f"fused attention (scaled_dot_product_attention) in {owner}",
         "attention", 2, "none: the same result from a flash or memory-efficient kernel"

@@ -139,7 +139,7 @@ def peak_of(device: dict[str, Any]) -> Peak:
     kept = {k: at_peak[k] for k in (PARAMETERS, BUFFERS, OPTIMIZER_STATE, COMMUNICATION,
                                     WORKSPACE, OTHER)}
     zero = dict.fromkeys(CATEGORIES, 0)
-    in_step = peaks.get(GRADIENTS, 0) > 0 and at_peak[GRADIENTS] >= 0.99 * peaks[GRADIENTS] \
+    in_step = peaks.get(GRADIENTS, 0) > 0 and at_peak[GRADIENTS] >= 0.95 * peaks[GRADIENTS] \
         and at_peak[ACTIVATIONS] < 0.5 * peaks.get(ACTIVATIONS, 0)
     if in_step:
         forward = {**zero, **kept, ACTIVATIONS: peaks[ACTIVATIONS]}

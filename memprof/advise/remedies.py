@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from memprof.advise.checkpointing import checkpoint_remedies
 from memprof.advise.forward_remedies import forward_remedies
+from memprof.advise.optimizer_step import step_remedies
 from memprof.advise.peak import Peak
 from memprof.advise.pipeline import pipeline_remedies
 from memprof.advise.precision import precision_remedies
@@ -41,7 +42,7 @@ def catalogue(peak: Peak, ctx: Context) -> list[Remedy]:
     found = precision_remedies(peak, ctx) + checkpoint_remedies(peak, ctx)
     if peak.busy and not ctx.pipeline:  # a schedule's microbatches are not the script's
         found += _micro_batches(ctx)
-    found += _optimizer_state(peak, ctx) + sharding_remedies(peak, ctx)
+    found += _optimizer_state(peak, ctx) + step_remedies(peak, ctx) + sharding_remedies(peak, ctx)
     found += pipeline_remedies(peak, ctx) + bucket_remedies(peak, ctx)
     found += _model_state(peak, ctx)
     found += _allocator(peak, ctx) + _hygiene(peak, ctx)

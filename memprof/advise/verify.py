@@ -184,7 +184,8 @@ def _run(rerun: Rerun, specs: list[dict[str, Any]], batch_arg: str | None) -> Pe
     for spec in specs:
         apply.update({k: v for k, v in spec.items()
                       if k in ("autocast", "checkpoint", "chunked_loss", "bucket_view", "shard",
-                               "units", "offload", "flat_mesh", "schedule", "zero_buckets")})
+                               "units", "offload", "flat_mesh", "schedule", "zero_buckets",
+                               "foreach", "attention_weights")})
         world = spec.get("world", world)
         if "alloc_conf" in spec:
             conf = ",".join(filter(None, (rerun.alloc_conf, spec["alloc_conf"])))

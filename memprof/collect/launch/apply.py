@@ -8,13 +8,17 @@ list of class names) runs every module of class ``Block`` under activation check
 and so do the calls the script checkpoints itself); ``{"chunked_loss": 8}`` computes each
 ``F.cross_entropy`` over ``MIN_CLASSES`` classes or more that backward will differentiate in
 8 chunks of rows, each checkpointed, so that one chunk's log-probabilities are saved at a
-time (the same loss: summed over the chunks, then divided as the reduction asks). The
-sharding remedies of a distributed script are ``apply_distributed.py``'s.
+time (the same loss: summed over the chunks, then divided as the reduction asks);
+``{"foreach": false}`` makes every optimizer that takes ``foreach`` with ``foreach=False``;
+``{"attention_weights": false}`` calls every ``nn.MultiheadAttention`` with
+``need_weights=False``. The sharding remedies of a distributed script are
+``apply_distributed.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -59,8 +63,54 @@ def applied(asked: dict[str, Any]) -> Iterator[None]:
         blocks = [blocks] if isinstance(blocks, str) else blocks
         if isinstance(blocks, list) and all(isinstance(b, str) for b in blocks):
             stack.enter_context(_checkpointing(frozenset(blocks)))
+        if asked.get("foreach") is False:
+            stack.enter_context(_one_parameter_at_a_time())
+        if asked.get("attention_weights") is False:
+            stack.enter_context(_without_attention_weights())
         stack.enter_context(distributed_applied(asked))
         yield
+
+
+@contextlib.contextmanager
+def _one_parameter_at_a_time() -> Iterator[None]:
+    """Every optimizer that takes ``foreach`` made with ``foreach=False`` (unless fused)."""
+    init = torch.optim.Optimizer.__init__
+
+    @functools.wraps(init)
+    def made(self: torch.optim.Optimizer, params: Any, defaults: dict[str, Any],
+             *args: Any, **kwargs: Any) -> None:
+        if "foreach" in defaults and not defaults.get("fused"):
+            defaults = {**defaults, "foreach": False}
+        init(self, params, defaults, *args, **kwargs)
+
+    torch.optim.Optimizer.__init__ = made  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
+
+
+_NEED_WEIGHTS = 4  # nn.MultiheadAttention.forward's need_weights, by position
+
+
+@contextlib.contextmanager
+def _without_attention_weights() -> Iterator[None]:
+    """``nn.MultiheadAttention`` called with ``need_weights=False``: its fused kernel."""
+    forward = torch.nn.MultiheadAttention.forward
+
+    @functools.wraps(forward)
+    def fused(self: torch.nn.MultiheadAttention, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > _NEED_WEIGHTS:
+            args = (*args[:_NEED_WEIGHTS], False, *args[_NEED_WEIGHTS + 1:])
+        else:
+            kwargs["need_weights"] = False
+        return forward(self, *args, **kwargs)
+
+    torch.nn.MultiheadAttention.forward = fused  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.MultiheadAttention.forward = forward  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
