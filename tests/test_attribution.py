@@ -162,3 +162,15 @@ def test_backward_allocations_belong_to_the_module_whose_backward_made_them() ->
     last = max(i for i, e in enumerate(events) if e["action"] == "alloc")
     assert events[last]["size"] == after.nbytes and last not in modules
     assert snapshot["memprof"]["model_files"] == []  # torch's own modules are not model code
+
+
+def test_the_layers_of_a_sequential_are_not_summed_as_repeated_blocks() -> None:
+    """DCGAN's ``main``: a conv, a norm and an activation are different modules; the blocks
+    of a list with modules inside them are instances of one."""
+    from memprof.analysis.modules import rank_repeated
+
+    rows = [(f"main.{i}", 100 * (i + 1), None) for i in range(14)]
+    rows += [(f"layers.{i}", 10, None) for i in range(3)]
+    rows += [(f"layers.{i}.mlp", 20, None) for i in range(3)]
+    summed = {m.module: (m.bytes, m.instances) for m in rank_repeated(rows, 10_000, 10)}
+    assert summed == {"layers.*": (30, 3), "layers.*.mlp": (60, 3)}

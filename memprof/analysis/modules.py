@@ -42,12 +42,18 @@ def rank_modules(rows: Iterable[tuple[str, int, Frame | None]], total: int, top:
 def rank_repeated(rows: Iterable[tuple[str, int, Frame | None]], total: int, top: int
                   ) -> list[ModuleUsage]:
     """The ``top`` patterns of repeated blocks' modules (``layers.*.mlp``, ``repeated``) by
-    bytes, each summing at least two modules, from the rows ``rank_modules`` takes."""
+    bytes, each summing at least two modules, from the rows ``rank_modules`` takes. An
+    element of a list is a block where modules run inside it (``layers.3.mlp``): the
+    elements of a list of single layers (a Sequential's conv, norm and activation) are
+    different modules, not instances of one, and are not summed."""
     rows = list(rows)
-    pattern = {path: repeated(path) for path in {p for p, _, _ in rows}}
+    paths = {p for p, _, _ in rows}
+    pattern = {path: repeated(path) for path in paths}
+    blocks = {star.split(".*", 1)[0] for path, star in pattern.items()
+              if not star.endswith(".*") and star != path}  # a list with modules inside
     instances: dict[str, set[str]] = {}
     for path, star in pattern.items():
-        if star != path:
+        if star != path and (not star.endswith(".*") or star[:-2] in blocks):
             instances.setdefault(star, set()).add(path)
     summed = rank_modules(((pattern[p], size, frame) for p, size, frame in rows
                            if len(instances.get(pattern[p], ())) > 1), total, top)
