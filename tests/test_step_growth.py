@@ -257,6 +257,11 @@ def gan_two(where: Path) -> tuple[Result, Path]:
     return _gan(where, "--steps", "2", "-o", "two")
 
 
+@jobs
+def gan_one(where: Path) -> tuple[Result, Path]:
+    return _gan(where, "--steps", "1", "-o", "one")
+
+
 def test_two_optimizers_make_one_step_per_iteration(runs: dict[str, Future[Any]]) -> None:
     whole, where = runs["gan_whole"].result()
     assert whole.code == 0, whole.stderr
@@ -267,6 +272,12 @@ def test_two_optimizers_make_one_step_per_iteration(runs: dict[str, Future[Any]]
     stopped, where = runs["gan_two"].result()
     assert stopped.code == 0 and stopped.stdout.split("\n")[:-1] == ["iteration 0"]
     assert report(where / "two")["run"]["optimizer_steps"] == 2
+    # --steps 1: the first iteration whole, the generator's step too
+    one, where = runs["gan_one"].result()
+    assert one.code == 0 and one.stdout == "", one.stderr
+    data = report(where / "one")
+    assert data["run"]["optimizer_steps"] == 1
+    assert len(data["run"]["model"]["optimizers"]) == 2  # both stepped
 
 
 def test_step_pace_ends_a_step_per_iteration_of_several_optimizers() -> None:

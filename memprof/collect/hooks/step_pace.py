@@ -28,6 +28,13 @@ class StepPace:
         self._last: weakref.ref[object] | None = None  # the optimizer that stepped last
         self._first_cycle: list[weakref.ref[object]] | None = []  # None once it repeated
 
+    @property
+    def first_cycle(self) -> int | None:
+        """The optimizers that have stepped in the first iteration, while it runs (None once
+        it is over: an optimizer stepped again)."""
+        cycle = self._first_cycle
+        return None if cycle is None else sum(r() is not None for r in cycle)
+
     def at(self, optimizer: object) -> str | None:
         """``optimizer`` has just stepped: ``END``, ``MOVE`` or None (see the module doc)."""
         closer = self._closer() if self._closer is not None else None

@@ -188,19 +188,31 @@ def _default(signals: tuple[int, ...]) -> list[int]:
 def _step_limit(steps: int) -> Any:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from memprof.collect.hooks.step_pace import END, StepPace
+    from memprof.collect.hooks.step_pace import END, MOVE, StepPace
 
     done = 0
     pace = StepPace()  # as the report counts steps: one per iteration of several optimizers
 
     def count(optimizer: Any, args: Any, kwargs: Any) -> None:
         nonlocal done
-        if pace.at(optimizer) == END:
-            done += 1
-            if done >= steps:  # (with several optimizers, --steps 1 ends at the first's step)
-                raise _stop("steps", 0)
+        mark = pace.at(optimizer)
+        done += mark == END
+        # in the first iteration, a step ends for good once every optimizer has stepped
+        # (a GAN's generator steps after its discriminator): --steps 1 ends after both
+        if done >= steps and mark in (END, MOVE) and (
+                pace.first_cycle is None or pace.first_cycle >= _live_optimizers()):
+            raise _stop("steps", 0)
 
     return register_optimizer_step_post_hook(count)
+
+
+def _live_optimizers() -> int:
+    """The optimizers the script has made and still holds."""
+    import gc
+
+    from torch.optim import Optimizer
+
+    return sum(isinstance(o, Optimizer) for o in gc.get_objects())
 
 
 @contextmanager
