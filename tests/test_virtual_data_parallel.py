@@ -62,3 +62,15 @@ def test_data_parallel_across_devices_is_refused_in_one_line(gpu: VirtualGpu) ->
         "memprof's virtual GPU cannot run nn.DataParallel (torch.nn.parallel's scatter, gather"
         " and broadcast) across cuda:0, cuda:1 (the virtual GPU is one card, cuda:0); leave"
         " DataParallel its default device_ids, [0], or run memprof on a machine with the GPUs")
+
+
+def test_recurrent_layers_say_the_card_has_no_cudnn(gpu: VirtualGpu, capsys) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not PyTorch's "compiled without cuDNN" warning
+        lstm = nn.LSTM(IN, OUT, batch_first=True).cuda()
+        out, _ = lstm(torch.ones(BATCH, 5, IN, device="cuda"))
+    assert out.shape == (BATCH, 5, OUT) and out.is_cuda
+    assert "no cuDNN behind the card: recurrent layers (nn.LSTM, nn.GRU, nn.RNN) run" \
+        " PyTorch's own kernels" in capsys.readouterr().err

@@ -31,6 +31,7 @@ from torch.utils import _foreach_utils
 from memprof.analysis.blocks import MIN_BLOCK
 from memprof.collect.launch.eager_compile import EagerCompile
 from memprof.collect.launch.threads import inherited
+from memprof.collect.notices import say
 from memprof.collect.virtual import autocast
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.checkpoints import Checkpoints
@@ -82,6 +83,7 @@ class VirtualGpu:
         # no NCCL library behind the virtual card, but c10d's error logging asks for its
         # version whenever a call on an "nccl" group raises: 0.0.0, not an error of its own
         patches[(torch.cuda.nccl, "version")] = lambda: (0, 0, 0)
+        patches[(torch.backends.cudnn, "is_acceptable")] = _no_cudnn
         patches.update(self._host_state.patches())
         patches.update(self._checkpoints.patches())
         patches.update(self._graphs.patches())
@@ -153,6 +155,15 @@ class VirtualGpu:
         self.index = card_device().index  # the card the script chose (set_device)
         self.world = self._groups.world
         set_card_index(0)
+
+
+def _no_cudnn(tensor: torch.Tensor) -> bool:
+    """``torch.backends.cudnn.is_acceptable``: no cuDNN behind the card (said once, as the
+    recurrent layers ask it), rather than PyTorch's warning that its build has none."""
+    say("memprof: virtual GPU: no cuDNN behind the card: recurrent layers (nn.LSTM, nn.GRU,"
+        " nn.RNN) run PyTorch's own kernels, whose memory differs from cuDNN's (its flattened"
+        " weights, workspace and reserve space are not modelled)")
+    return False
 
 
 def _grouped_on_card(group: Any) -> Any:
