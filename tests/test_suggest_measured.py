@@ -217,6 +217,17 @@ def test_a_batch_flag_is_read_and_set_under_any_of_its_aliases(tmp_path) -> None
     assert rerun().with_value("batch-size", 8) == ["--dummy", "--batch-size", "8"]
 
 
+def test_a_hydra_override_is_a_batch_flag_too(tmp_path) -> None:
+    """minGPT-ddp's ``trainer_config.batch_size=32``: the key is the flag."""
+    from memprof.advise.rerun import Rerun
+
+    rerun = Rerun(["main.py", "data_config.path=x", "trainer_config.batch_size=32"],
+                  ["--virtual-gpu", "T4"], None, "", str(tmp_path))
+    assert rerun.value_of("trainer_config.batch_size") == 32
+    assert rerun.with_value("trainer_config.batch_size", 8) == [
+        "data_config.path=x", "trainer_config.batch_size=8"]
+
+
 @pytest.mark.parametrize(("peak_event", "steps"), [(15, 3), (29, 3), (30, None), (55, None)])
 def test_a_rerun_reaches_the_phase_that_held_the_recorded_peak(peak_event: int,
                                                                steps: int | None) -> None:

@@ -145,7 +145,11 @@ class Rerun:
         return given
 
     def flags(self, name: str) -> list[str]:
-        """The flags that set the script's ``--name`` (``option_flags``)."""
+        """The flags that set the script's ``--name`` (``option_flags``), or ``name`` itself
+        where the command gives it as ``name=VALUE`` (Hydra's and OmegaConf's overrides,
+        ``trainer_config.batch_size=32``)."""
+        if any(arg.startswith(f"{name}=") for arg in self.args):
+            return [name]
         script = None if self.target[0] in ("-m", "-c") else Path(self.cwd or ".", self.script)
         return option_flags(script, name)
 

@@ -4,6 +4,7 @@
     flags = option_flags(Path("main.py"), "batch-size")  # ["--batch-size", "-b"]
     flag_value(["-b", "32"], flags)                       # 32
     with_arg(["-b", "32"], flags, 8)                      # ["-b", "8"]
+    with_arg(["trainer.batch=32"], ["trainer.batch"], 8)  # ["trainer.batch=8"]: an override
 """
 
 from __future__ import annotations
