@@ -716,6 +716,19 @@ def test_checkpoints_save_and_load_on_the_virtual_gpu(runs: dict[str, Future[Any
     assert len(weights) == 5
 
 
+def test_a_script_that_divides_by_a_placeholder_zero_is_told_why(tmp_path: Path) -> None:
+    """pytorch/examples' super_resolution: ``10 * log10(1 / mse.item())``."""
+    (tmp_path / "psnr.py").write_text(
+        "import math, torch\n"
+        "x = torch.ones(64, 4096, device='cuda')\n"
+        "mse = torch.nn.functional.mse_loss(x, 2 * x)\n"
+        "print(10 * math.log10(1 / mse.item()))\n")
+    result = memprof_run(tmp_path, "--no-timeline", "-o", tmp_path / "out", "psnr.py")
+    assert result.code == 1
+    assert "memprof: the script died on a value (ZeroDivisionError) after reading the" \
+        " placeholder zeros of large virtual tensors" in result.stderr
+
+
 def test_folders_made_for_a_checkpoint_that_went_to_scratch_are_not_left_empty(
         tmp_path: Path) -> None:
     """pytorch/examples' FSDP2 example resumes from its newest checkpoint folder: one left

@@ -16,7 +16,13 @@ from rich.console import Console
 from memprof.cli.options import flag
 from memprof.cli.run_options import max_peak as max_peak_bytes
 from memprof.cli.run_options import virtual_card
-from memprof.cli.run_report import gate, launcher_hint, run_command, run_facts
+from memprof.cli.run_report import (
+    gate,
+    launcher_hint,
+    placeholder_hint,
+    run_command,
+    run_facts,
+)
 from memprof.errors import MemprofError
 from memprof.trace.fields import describe
 
@@ -333,7 +339,8 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
             if plot is not None:
                 plot.wait()
         # a library of CUDA kernels the script died in, or the launcher it expected, named
-        failed_in = launcher_hint(recording.outcome.error)
+        failed_in = launcher_hint(recording.outcome.error) or placeholder_hint(
+            recording.outcome.error, bool(meta.get("placeholders_read")))
         if recording.virtual_gpu and failed_in is None:
             from memprof.collect.virtual.extensions import extension_failure
             failed_in = extension_failure(recording.outcome)

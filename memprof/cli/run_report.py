@@ -90,3 +90,16 @@ def launcher_hint(error: str | None) -> str | None:
         return None
     return (f"memprof: the script reads torchrun's {named}, which only a launcher sets: run it"
             " as torchrun would with memprof run --nproc-per-node N (one process per GPU)")
+
+
+_ON_VALUES = ("ZeroDivisionError", "ValueError: math domain error", "OverflowError")
+
+
+def placeholder_hint(error: str | None, read: bool) -> str | None:
+    """memprof's line for a script that died on a value computed from the placeholder
+    zeros the virtual GPU's large tensors give (a division by a loss, a log of it)."""
+    if not read or not error or not error.startswith(_ON_VALUES):
+        return None
+    return (f"memprof: the script died on a value ({error.split(':')[0]}) after reading the"
+            " placeholder zeros of large virtual tensors (said above): on a card that value"
+            " comes from the computation; --device cpu runs the script on real values")

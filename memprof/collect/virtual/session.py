@@ -17,6 +17,7 @@ from memprof.collect.recording import (
 )
 from memprof.collect.virtual.cards import Card, card_args
 from memprof.collect.virtual.gpu import VirtualGpu
+from memprof.collect.virtual.tensor import placeholders_read
 from memprof.heap import frozen, trim
 
 
@@ -54,6 +55,8 @@ def record(target: Target, options: RunOptions, card: Card, announce: str | None
         # on the rank's own card, cuda:LOCAL_RANK, as its snapshot on a node says
         snapshot, _ = predict_cuda_layout(recorder.snapshot(), settings,
                                           gpu.recorder.placer.layout(gpu.index))
+    if placeholders_read():  # zeros read from large tensors: what the script computed
+        snapshot["memprof"]["placeholders_read"] = True
     if gpu.world is not None:  # the rank its process group gave it (mp.spawn's)
         snapshot["memprof"]["world"] = {"rank": gpu.world[0], "size": gpu.world[1]}
     if gpu.recorder.allowed is not None:  # set_per_process_memory_fraction's cap

@@ -72,6 +72,11 @@ def placeholder_notice() -> None:
             " from the card's")
 
 
+def placeholders_read() -> bool:
+    """Whether the script has read placeholder values (``placeholder_notice``)."""
+    return _told
+
+
 def _script_line() -> str | None:
     """``file:line`` of the innermost frame of the script's own code, if any."""
     from memprof.analysis.sites import is_library
