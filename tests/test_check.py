@@ -226,6 +226,27 @@ def test_every_rank_of_a_distributed_run_is_gated(runs, tmp_path):
     assert refused.code == 2 and "give --baseline a file" in refused.stderr
 
 
+def test_suggest_advises_the_rank_that_ran_out_of_memory_and_refuses_a_broken_one(
+        runs, tmp_path):
+    """Rank 1 ran out of memory with less on its card than rank 0: it is the one to advise,
+    and a rank whose report cannot be read stops the answer in one line."""
+    from memprof.errors import MemprofError
+    from memprof.report.cluster import worst_report
+
+    folder = ranks(tmp_path / "oom", runs["wider"], runs["base"])
+    rank_1 = folder / "rank-1" / "report.json"
+    data = json.loads(rank_1.read_text())
+    data["devices"][0]["oom"] = {"event_index": 3}
+    rank_1.write_text(json.dumps(data))
+    assert worst_report(folder) == rank_1
+    rank_1.write_text(rank_1.read_text()[:400])  # truncated
+    with pytest.raises(MemprofError, match=r"rank-1/report\.json: rank 1's report cannot be"):
+        worst_report(folder)
+    refused = memprof_here(tmp_path, "suggest", folder, "--budget", "1GB")
+    assert refused.code == 2 and "rank 1's report cannot be read" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(("name", "edit", "message"), [
     ("device", lambda d: d["run"].update(device="cuda (NVIDIA A10)"), "the device differs"),
     ("virtual", lambda d: d["run"].update(virtual_gpu={"spec": "A10"}), "virtual GPU differs"),

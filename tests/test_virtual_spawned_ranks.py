@@ -190,3 +190,32 @@ def test_a_torchrun_script_run_alone_is_told_to_launch_its_ranks(tmp_path: Path)
     assert "memprof: the script reads torchrun's LOCAL_RANK, which only a launcher sets: run" \
         " it as torchrun would with memprof run --nproc-per-node N" in result.stderr
     assert "--device cpu" not in result.stderr  # not "made no CUDA tensor"
+
+
+CRASHING = """\
+import os
+import sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+def worker(gpu):
+    torch.cuda.set_device(gpu)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=gpu,
+                            world_size=2)
+    torch.ones(1024, device="cuda")
+    if gpu == 1:
+        os._exit(3)  # no report: not even Python's exit
+
+if __name__ == "__main__":
+    mp.spawn(worker, nprocs=torch.cuda.device_count())
+"""
+
+
+def test_a_spawned_process_that_ends_without_its_report_is_named(tmp_path: Path) -> None:
+    (tmp_path / "crashing.py").write_text(CRASHING)
+    result = memprof_run(tmp_path, "--virtual-gpu", "A100", "--cards", "2", "--no-timeline",
+                         "-o", tmp_path / "out", "crashing.py", str(free_port()))
+    assert result.code == 1
+    assert "1 of the world's 2 ranks were not run (a spawned process ended with exit code 3" \
+        " before writing its report)" in result.stderr

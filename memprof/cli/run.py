@@ -175,7 +175,13 @@ def run(
     from memprof.collect.virtual.need import NeedCheck
     from memprof.heap import frozen
     from memprof.report.background_plot import BackgroundPlot
-    from memprof.report.run_folder import FILE_NAMES, claim, rank_folder, run_folder
+    from memprof.report.run_folder import (
+        FILE_NAMES,
+        claim,
+        forget_spawned,
+        rank_folder,
+        run_folder,
+    )
 
     if device not in ("auto", "cpu", "cuda"):
         raise MemprofError(f"--device {device!r}: expected auto, cpu or cuda")
@@ -224,6 +230,8 @@ def run(
         child_signals()
     else:
         claim(folder, names, force)
+        if force:
+            forget_spawned(folder)
 
     # when and where it started (the script may chdir): suggest --verify re-runs it there
     launched: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -353,7 +361,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
                               " profiles its host tensors instead"))
         if speaks and children and recording.virtual_gpu:
             _spawned(children, folder, recording.virtual_gpu["spec"], bool(findings.devices),
-                     notes)
+                     notes, recording.children_exits)
         writing.result()
     if speaks:
         run = folder.parent if world > 1 else folder  # the ranks' folders are inside
@@ -368,7 +376,7 @@ def _finish(recording: Recording, target: Target, folder: Path, names: dict[str,
 
 
 def _spawned(children: list[Path], folder: Path, card: str, itself: bool,
-             notes: Console) -> None:
+             notes: Console, exits: dict[Path, int]) -> None:
     """Say where the reports of the processes the script spawned are; where they were the
     ranks of one world (``mp.spawn``'s), lead with the cluster's answer and write
     ``cluster.json`` as ``--nproc-per-node`` does."""
@@ -389,9 +397,14 @@ def _spawned(children: list[Path], folder: Path, card: str, itself: bool,
         return
     cluster = read_cluster(folder)
     world = max(r.world for r in cluster.written)
-    if len(cluster.ranks) < world:  # its other nodes' ranks: another machine's processes
-        cluster = Cluster(cluster.ranks, cluster.card, world, "spawned on the other nodes")
-    write_json(cluster_summary(cluster, 1, world), folder / CLUSTER_FILE)
+    # a process that ended without its report (os._exit, a kill), else the other nodes'
+    lost = sorted({f"exit code {code}" if code > 0 else f"signal {-code}"
+                   for f, code in exits.items() if code and f not in children})
+    if len(cluster.ranks) < world:
+        cluster = Cluster(cluster.ranks, cluster.card, world, f"a spawned process ended with"
+                          f" {', '.join(lost)} before writing its report" if lost
+                          else "spawned on the other nodes")
+    write_json(cluster_summary(cluster, 1, world), folder / CLUSTER_FILE, overwrite=True)
     notes.print()
     render_cluster(cluster, notes)
 

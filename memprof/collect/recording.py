@@ -40,6 +40,8 @@ class Recording:
     virtual_gpu: dict[str, Any] | None = None  # the card a virtual-GPU run predicted for
     tally: Tally | None = None  # the predicted layout's replay, tallied as it was placed
     children: list[Path] = field(default_factory=list)  # run folders of followed children
+    # the exit code of each followed child that ended, by run folder
+    children_exits: dict[Path, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

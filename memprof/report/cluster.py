@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from memprof.errors import MemprofError
 from memprof.report.console import CATEGORY_NAMES
 from memprof.report.run_folder import FILE_NAMES, rank_folder, rank_of
 from memprof.report.text import visible
@@ -46,6 +47,8 @@ class RankPeak:
     categories: dict[str, int] = field(default_factory=dict)
     world: int = 1  # the size of the world it was a rank of
     oom_request: int = 0  # the request that ran out of memory (bytes), where one did
+    need: int = 0  # what its card must hold, where a re-run with the memory raised told
+    unreadable: bool = False  # a report is there that cannot be read as one
 
     @property
     def on_card(self) -> int:
@@ -74,6 +77,14 @@ class Cluster:
         """The rank that ran out of memory first: the fewest steps done, then the lowest."""
         return min((r for r in self.written if r.out_of_memory),
                    key=lambda r: (r.steps, r.rank), default=None)
+
+    def advised(self) -> RankPeak | None:
+        """The rank ``suggest`` advises: of those that ran out of memory, the one that needs
+        the most (the first where none was told); else the worst."""
+        ooms = [r for r in self.written if r.out_of_memory]
+        if any(r.need for r in ooms):
+            return max(ooms, key=lambda r: (r.need, -r.rank))
+        return self.first_out_of_memory() or self.worst()
 
 
 def rank_reports(folder: Path) -> dict[int, Path]:
@@ -136,9 +147,10 @@ def _peak(rank: int, path: Path) -> RankPeak:
                      {str(k): int(v) for k, v in (top.get("categories") or {}).items()},
                      int(run.get("world_size") or 1),
                      max((int((d.get("oom") or {}).get("requested_bytes") or 0)
-                          for d in devices), default=0))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return RankPeak(rank, None)
+                          for d in devices), default=0),
+                     int((run.get("need") or {}).get("total_bytes") or 0))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return RankPeak(rank, None, unreadable=path.exists())
 
 
 CLUSTER_SCHEMA = "memprof.cluster/1"
@@ -183,9 +195,17 @@ def _relative(report: Path) -> str:
 
 
 def worst_report(folder: Path) -> Path | None:
-    """The report of the worst rank of a run folder of ranks (None: not such a folder)."""
-    worst = read_cluster(folder).worst()
-    return worst.report if worst is not None else None
+    """The report of the rank to advise in a run folder of ranks (``Cluster.advised``; None:
+    not such a folder). MemprofError where a rank's report cannot be read: the answer
+    without it could be wrong."""
+    cluster = read_cluster(folder)
+    bad = next((r for r in cluster.ranks if r.unreadable), None)
+    if bad is not None:
+        path = rank_reports(folder).get(bad.rank) or rank_folder(folder, bad.rank, 2)
+        raise MemprofError(f"{path}: rank {bad.rank}'s report cannot be read as a memprof"
+                           " report; the run's answer needs every rank's: run it again")
+    advised = cluster.advised()
+    return advised.report if advised is not None else None
 
 
 def answer(cluster: Cluster) -> str:

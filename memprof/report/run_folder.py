@@ -83,6 +83,22 @@ def claim(folder: Path, names: dict[str, str], force: bool) -> None:
     atexit.register(lock.unlink, missing_ok=True)
 
 
+def forget_spawned(folder: Path) -> None:
+    """Remove the run folders an earlier run's followed children left in ``folder``
+    (``child-N/`` holding memprof's files alone), and the ``cluster.json`` of their ranks:
+    a forced run's children are its own."""
+    import shutil
+
+    (folder / "cluster.json").unlink(missing_ok=True)
+    ours = {*FILE_NAMES.values(), "need"}
+    for child in folder.glob("child-*"):
+        try:
+            if child.is_dir() and all(p.name in ours for p in child.iterdir()):
+                shutil.rmtree(child)
+        except OSError:
+            pass  # left as it is: its name is not reused (children.py)
+
+
 def unclaim(folder: Path, names: dict[str, str]) -> None:
     """Give up a claimed ``folder`` that nothing was written to: its lock, and itself where
     it is empty now."""

@@ -53,6 +53,7 @@ class FollowedChildren:
         self._lock = threading.Lock()
         self._saved: dict[Any, Any] = {}
         self._processes: list[Any] = []  # the followed children's Process objects
+        self.exits: dict[Path, int] = {}  # how each ended (finish), by run folder
 
     def __enter__(self) -> FollowedChildren:
         context = multiprocessing.context
@@ -89,11 +90,13 @@ class FollowedChildren:
                 f" --cards {self.ranks} alone, which follows the processes it spawns, one per"
                 " card, not with --nproc-per-node or torchrun")
         self._starting.on = True
+        before = len(self.folders)
         try:
             started = spawned(process)
         finally:
             self._starting.on = False
-        self._processes.append(process)
+        self._processes.append((process, self.folders[-1] if len(self.folders) > before
+                                else None))  # (a frozen executable's child: not followed)
         return started
 
     def finish(self, signalled: bool) -> None:
@@ -101,14 +104,16 @@ class FollowedChildren:
         terminated, the others joined), so that their reports are written before the run's;
         where a signal ended the script, every child is signalled too (each writes its
         report), and one that has not ended after ``GRACE_S`` is killed."""
-        for process in self._processes:
+        for process, _ in self._processes:
             if process.is_alive() and (signalled or process.daemon):
                 process.terminate()
-        for process in self._processes:
+        for process, folder in self._processes:
             process.join(GRACE_S if signalled else None)
             if process.is_alive():
                 process.kill()
                 process.join()
+            if folder is not None and process.exitcode is not None:
+                self.exits[folder] = process.exitcode
 
     def _command_line(self, **kwds: Any) -> list[str]:
         """``spawn.get_command_line``: a followed child's runs under ``memprof run``."""

@@ -63,7 +63,8 @@ def record(target: Target, options: RunOptions, card: Card, announce: str | None
         snapshot["memprof"]["allowed_bytes"] = gpu.recorder.allowed
     return Recording(snapshot, outcome, f"virtual {card.name}", True, took,
                      virtual_gpu=virtual_gpu_facts(card),
-                     children=children.folders if children is not None else [])
+                     children=children.folders if children is not None else [],
+                     children_exits=children.exits if children is not None else {})
 
 
 def virtual_gpu_facts(card: Card) -> dict[str, Any]:
