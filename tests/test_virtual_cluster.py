@@ -593,6 +593,28 @@ model(torch.ones(4, 64, device="cuda"))
 """
 
 
+ACCUMULATED = """\
+import os, torch, torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+dist.init_process_group("nccl")
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(2)]).cuda()
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+for layer in model:
+    fully_shard(layer, mp_policy=policy)
+fully_shard(model, mp_policy=policy)
+optimizer = torch.optim.AdamW(model.parameters())
+for micro in range(2):  # gradient accumulation: the reduce-scatter at the last microbatch
+    model.set_requires_gradient_sync(micro == 1)
+    model(torch.ones(16, 1024, device="cuda")).float().sum().backward()
+optimizer.step()
+"""
+
+
+@jobs
+def fsdp_accumulated(where: Path) -> tuple[Any, Path]:
+    return two_ranks_of(where, ACCUMULATED)
+
+
 def two_ranks_of(where: Path, script: str, **env: str) -> tuple[Any, Path]:
     """``memprof run --nproc-per-node 2`` of ``script`` (its text; the samples' folder on
     the path) in ``where``, with ``env`` set: the result and the run folder."""
@@ -1160,3 +1182,17 @@ def test_sequence_parallel_shards_the_norms_activations_along_the_sequence(
     # weights: the norm replicated, colwise rows and rowwise columns a quarter each
     assert [tuple(p.to_local().shape) for p in block.parameters()] == [
         (dim,), (dim,), (hidden // 4, dim), (hidden // 4,), (dim, hidden // 4), (dim,)]
+
+
+def test_fsdp2_s_accumulated_unsharded_gradients_are_gradients(
+        runs: dict[str, Future[Any]]) -> None:
+    """Between reduce-scatters (gradient accumulation, a pipeline's microbatches), FSDP2
+    keeps each parameter's gradient whole, in the reduce dtype: gradients, not a
+    communication buffer."""
+    result, out = runs["fsdp_accumulated"].result()
+    assert result.code == 0, result.stderr[-3000:]
+    whole = 2 * 1024 * 1024 * F32  # both layers' fp32 gradients, unsharded
+    for rank in (0, 1):
+        peaks = report(out / f"rank-{rank}")["devices"][0]["category_peaks"]
+        # at most: both accumulated, and a layer's bf16 gradient before it is added in
+        assert peaks["gradients"] == whole + 1024 * 1024 * 2

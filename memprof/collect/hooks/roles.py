@@ -89,6 +89,8 @@ class RoleHooks:
         self._accumulation: int | None = None
         self._grad_hook = self._on_grad  # one bound method: found by identity in a param's hooks
         self._handles: list[RemovableHandle] = []
+        # FSDP2's accumulated-gradient method, patched while recording (False: not yet)
+        self._accumulating: Any = False
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def install(self) -> None:
@@ -169,6 +171,9 @@ class RoleHooks:
             torch.nn.Module._apply = self._apply_orig  # type: ignore[method-assign]
             torch.nn.Module.__setstate__ = self._setstate_orig  # type: ignore[method-assign]
             self._forward.remove()
+            if self._accumulating not in (False, None):
+                sys.modules[_FSDP_PARAM].FSDPParam.to_accumulated_grad_if_needed = \
+                    self._accumulating
             for handle in [*self._handles, *self._grad_hooks]:
                 handle.remove()
             self._handles = []
@@ -250,6 +255,8 @@ class RoleHooks:
             self._pipeline = pipeline_of(sys._getframe(2))
         if self._autocast is None and torch._C._is_any_autocast_enabled():
             self._autocast = _autocast_dtype(module)
+        if self._accumulating is False and _FSDP_PARAM in sys.modules:
+            self._accumulating = _marked_accumulation(self._mark)
         held = _addresses(module)
         if held is not None and self._held.get(module) == held:
             return  # the same storages as its last forward marked: nothing new to see
@@ -314,6 +321,29 @@ class RoleHooks:
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+
+_FSDP_PARAM = "torch.distributed.fsdp._fully_shard._fsdp_param"
+
+
+def _marked_accumulation(mark: Any) -> Any:
+    """Patch FSDP2's ``to_accumulated_grad_if_needed`` to ``mark`` the gradient it makes,
+    an unsharded copy in the reduce dtype that FSDP accumulates into until its last
+    microbatch's reduce-scatter (a pipeline's, or with gradient accumulation); return the
+    original (None where FSDP has no such method)."""
+    param = sys.modules[_FSDP_PARAM].FSDPParam
+    original = getattr(param, "to_accumulated_grad_if_needed", None)
+    if original is None:
+        return None
+
+    def accumulated(self: Any) -> None:
+        original(self)
+        grad = getattr(self, "unsharded_accumulated_grad", None)
+        if isinstance(grad, torch.Tensor):
+            mark(grad, GRADIENTS)
+
+    param.to_accumulated_grad_if_needed = accumulated
+    return original
 
 
 def _fsdp_shards(module: torch.nn.Module) -> list[torch.Tensor]:
