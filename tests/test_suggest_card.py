@@ -122,3 +122,21 @@ def test_verify_applies_foreach_false_and_attention_without_weights() -> None:
         assert attention(x, x, x)[1] is None
         assert attention(x, x, x, None, True)[1] is None  # need_weights by position too
     assert attention(x, x, x)[1] is not None
+
+
+def test_the_optimizer_advised_is_the_one_holding_the_state() -> None:
+    """torchtitan's OptimizersContainer (no state of its own) is seen beside its AdamW."""
+    optimizers = [{"class": "OptimizersContainer", "state_bytes": 0},
+                  {"class": "AdamW", "state_bytes": 4096}]
+    assert Context({"optimizers": optimizers}).optimizer["class"] == "AdamW"
+
+
+def test_a_sharded_parameter_s_state_sizes_are_its_shard_s() -> None:
+    import torch
+
+    from memprof.collect.hooks.model_facts import model_facts
+
+    layer = torch.nn.Linear(8, 8, bias=False)
+    layer.weight._local_tensor = torch.zeros(4, 8)  # this rank's half, as a DTensor holds it
+    facts = model_facts([layer], [], None, {})
+    assert (facts["parameters"], facts["trainable_numels"]) == (64, [32])

@@ -51,8 +51,9 @@ class Context:
 
     @property
     def optimizer(self) -> dict[str, Any]:
+        """The optimizer that holds the most state (not a library's container of them)."""
         optimizers = self.model.get("optimizers") or [{}]
-        return optimizers[0]
+        return max(optimizers, key=lambda o: o.get("state_bytes") or 0)
 
     @property
     def quantised_state(self) -> bool:

@@ -44,7 +44,9 @@ def model_facts(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
         "dtypes": dict(dtypes),
         "small_tensor_elements": sum(_elements(p) for p in params.values()
                                      if _elements(p) < SMALL_TENSOR),
-        "trainable_numels": sorted(_elements(p) for p in params.values() if p.requires_grad),
+        # what this rank holds of each (a DTensor's shard): its optimizer state's sizes
+        "trainable_numels": sorted(_held(p).numel() for p in params.values()
+                                   if p.requires_grad and _held(p).numel()),
         "optimizers": [_optimizer(o) for o in optimizers],
         "repeated_blocks": _repeated_blocks(modules, blocks),
         "autocast": autocast,
@@ -67,6 +69,12 @@ def quantisation_state(p: torch.Tensor) -> list[torch.Tensor]:
     return found
 
 
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard, else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def _elements(p: torch.Tensor) -> int:
     """The elements of parameter ``p``, whole: a DeepSpeed ZeRO-3 parameter's
     (``ds_numel``; its own tensor is empty between gathers), else its own."""
@@ -83,7 +91,7 @@ def _weights(p: torch.Tensor) -> int:
 
 
 def _optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    state = [t for s in optimizer.state.values() for t in tensors_in(tuple(s.values()))]
+    state = [_held(t) for s in optimizer.state.values() for t in tensors_in(tuple(s.values()))]
     defaults = optimizer.defaults
     return {
         "class": type(optimizer).__name__,
