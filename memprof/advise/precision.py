@@ -104,42 +104,31 @@ def precision_remedies(peak: Peak, ctx: Context) -> list[Remedy]:
 
     share = ctx.autocast_share
     autocast = _halved_autocast if share is None else _traced(share)
-    if ctx.bf16_cores:
-        return [Remedy(
-            "autocast", "bf16 autocast (mixed precision)", "precision", 3,
-            "numerics: bf16 matmuls (fp32 where CUDA's autocast lists keep it); faster on"
-            " tensor cores", SEEDS["004"],
-            _HALVED if share is None else _TRACED,
-            autocast,
-            "TrainingArguments(..., bf16=True)  # the Trainer's forward under bf16 autocast"
-            if ctx.trainer else
-            f'{ctx.lightning[0]}..., precision="bf16-mixed")' if ctx.lightning else
-            'accelerator = Accelerator(..., mixed_precision="bf16")  # prepare() wraps the'
-            " forward" if ctx.loop == "accelerate" else
-            'with torch.autocast("cuda", dtype=torch.bfloat16):\n'
-            "    loss = compute_loss(model, batch)  # the forward pass and the loss only\n"
-            "loss.backward()",
-            {"autocast": "bfloat16"}), *kept]
     # a card without bf16 tensor cores (before compute capability 8.0: T4, V100) emulates
     # bf16 and runs attention's math path for it: fp16, with its loss scaling, is the one
-    return [Remedy(
-        "autocast", "fp16 autocast with loss scaling (mixed precision)", "precision", 3,
-        "numerics: fp16 matmuls, a GradScaler against underflow (this card has no bf16 tensor"
-        " cores); faster on tensor cores", SEEDS["004"],
-        (_HALVED if share is None else _TRACED).replace("bf16", "fp16"),
-        autocast,
-        "TrainingArguments(..., fp16=True)  # the Trainer's forward under fp16 autocast"
-        if ctx.trainer else
-        f'{ctx.lightning[0]}..., precision="16-mixed")' if ctx.lightning else
-        'accelerator = Accelerator(..., mixed_precision="fp16")  # prepare() wraps the'
-        " forward" if ctx.loop == "accelerate" else
+    half, dtype = ("bf16", "bfloat16") if ctx.bf16_cores else ("fp16", "float16")
+    loop = ('with torch.autocast("cuda", dtype=torch.bfloat16):\n'
+            "    loss = compute_loss(model, batch)  # the forward pass and the loss only\n"
+            "loss.backward()") if ctx.bf16_cores else (
         'scaler = torch.amp.GradScaler("cuda")\n'
         'with torch.autocast("cuda", dtype=torch.float16):\n'
         "    loss = compute_loss(model, batch)  # the forward pass and the loss only\n"
         "scaler.scale(loss).backward()\n"
         "scaler.step(optimizer)  # instead of optimizer.step()\n"
-        "scaler.update()",
-        {"autocast": "float16"}), *kept]
+        "scaler.update()")
+    return [Remedy(
+        "autocast", "bf16 autocast (mixed precision)" if ctx.bf16_cores else
+        "fp16 autocast with loss scaling (mixed precision)", "precision", 3,
+        "numerics: bf16 matmuls (fp32 where CUDA's autocast lists keep it); faster on tensor"
+        " cores" if ctx.bf16_cores else "numerics: fp16 matmuls, a GradScaler against"
+        " underflow (this card has no bf16 tensor cores); faster on tensor cores",
+        SEEDS["004"], (_HALVED if share is None else _TRACED).replace("bf16", half), autocast,
+        f"TrainingArguments(..., {half}=True)  # the Trainer's forward under {half} autocast"
+        if ctx.trainer else
+        f'{ctx.lightning[0]}..., precision="{half.removeprefix("fp")}-mixed")' if ctx.lightning
+        else f'accelerator = Accelerator(..., mixed_precision="{half}")  # prepare() wraps the'
+        " forward" if ctx.loop == "accelerate" else loop,
+        {"autocast": dtype}), *kept]
 
 
 def _single(share: float) -> list[Remedy]:

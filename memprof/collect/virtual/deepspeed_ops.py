@@ -19,7 +19,7 @@ import sys
 import types
 from typing import Any
 
-from memprof.collect.virtual.first_import import FirstImport
+from memprof.collect.virtual.first_import import FirstImport, forget, when_imported
 
 _BUILDER = "deepspeed.ops.op_builder.builder"
 # DeepSpeed's op names, and the kernel each one's module gives its optimizer
@@ -39,11 +39,7 @@ class DeepSpeedOps:
         self._finder: FirstImport | None = None
 
     def install(self) -> None:
-        if _BUILDER in sys.modules:
-            self._fill()
-        else:
-            self._finder = FirstImport(_BUILDER, contextlib.nullcontext, self._fill)
-            sys.meta_path.insert(0, self._finder)
+        self._finder = when_imported(_BUILDER, contextlib.nullcontext, self._fill)
 
     def _fill(self) -> None:
         cache = getattr(getattr(sys.modules.get(_BUILDER), "OpBuilder", None), "_loaded_ops",
@@ -58,8 +54,7 @@ class DeepSpeedOps:
                 self._added.append(name)
 
     def remove(self) -> None:
-        if self._finder is not None and self._finder in sys.meta_path:
-            sys.meta_path.remove(self._finder)
+        forget(self._finder)
         self._finder = None
         cache = getattr(getattr(sys.modules.get(_BUILDER), "OpBuilder", None), "_loaded_ops",
                         None)

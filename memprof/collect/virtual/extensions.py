@@ -38,7 +38,7 @@ from memprof.collect.launch.script import Outcome
 from memprof.collect.notices import say
 from memprof.collect.virtual import subclasses
 from memprof.collect.virtual.deepspeed_ops import DeepSpeedOps
-from memprof.collect.virtual.first_import import FirstImport
+from memprof.collect.virtual.first_import import FirstImport, forget, when_imported
 from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor
 
 # top-level modules of libraries with CUDA kernels of their own, and the names users know
@@ -75,16 +75,11 @@ class Extensions:
     def install(self) -> None:
         self._patch(torch.Tensor, "_make_subclass", staticmethod(subclasses.make_subclass))
         self._deepspeed.install()
-        if _BNB in sys.modules:
-            self._bitsandbytes()
-        else:
-            self._finder = FirstImport(_BNB, self._as_on_this_machine, self._bitsandbytes)
-            sys.meta_path.insert(0, self._finder)
+        self._finder = when_imported(_BNB, self._as_on_this_machine, self._bitsandbytes)
 
     def remove(self) -> None:
         self._deepspeed.remove()
-        if self._finder is not None and self._finder in sys.meta_path:
-            sys.meta_path.remove(self._finder)
+        forget(self._finder)
         self._finder = None
         if self._kernels is not None:
             self._kernels._destroy()

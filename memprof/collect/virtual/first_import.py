@@ -1,8 +1,8 @@
 """Run a package's first import inside a context, then call back: how the virtual GPU
 prepares libraries it must see imported (bitsandbytes, DeepSpeed's op builders).
 
-    finder = FirstImport("bitsandbytes", around, loaded)
-    sys.meta_path.insert(0, finder)   # removes itself once the package has run
+    finder = when_imported("bitsandbytes", around, loaded)  # loaded() now, or after it runs
+    forget(finder)                                          # when no longer wanted
 """
 
 from __future__ import annotations
@@ -66,3 +66,21 @@ class _Around(importlib.abc.Loader):
 
     def __getattr__(self, name: str) -> Any:  # get_resource_reader, get_source, ...
         return getattr(self._loader, name)
+
+
+def when_imported(name: str, around: Callable[[], contextlib.AbstractContextManager[None]],
+                  loaded: Callable[[], None]) -> FirstImport | None:
+    """Call ``loaded`` now if ``name`` is imported already; else after its first import,
+    run inside ``around``, by the finder returned (installed first on ``sys.meta_path``)."""
+    if name in sys.modules:
+        loaded()
+        return None
+    finder = FirstImport(name, around, loaded)
+    sys.meta_path.insert(0, finder)
+    return finder
+
+
+def forget(finder: FirstImport | None) -> None:
+    """Remove ``finder`` from ``sys.meta_path`` where it is still there."""
+    if finder is not None and finder in sys.meta_path:
+        sys.meta_path.remove(finder)
