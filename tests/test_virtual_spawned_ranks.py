@@ -139,6 +139,8 @@ def test_cards_are_refused_where_a_launcher_or_a_gpu_gives_them(tmp_path: Path) 
         assert result.code == 2
         assert result.stderr.startswith("memprof: error: --cards 2: the cards of a virtual")
         assert len(result.stderr.strip().splitlines()) == 1
+    many = memprof_run(tmp_path, "--cards", "100", "-c", "pass")  # not 100 processes
+    assert many.code == 2 and "less than or equal to 64" in many.stderr
     nodes = memprof_run(tmp_path, "--nnodes", "2", "-c", "pass")  # not silently one node
     assert nodes.code == 2 and nodes.stderr.strip() == "memprof: error: --nnodes counts nodes" \
         " of the ranks of --nproc-per-node; give --nproc-per-node N too"

@@ -30,6 +30,7 @@ from memprof.trace.fields import describe
 # profile needs; a longer run keeps its last events (and every allocation still alive)
 DEFAULT_MAX_ENTRIES = 1_000_000
 MIN_SECONDS, MAX_SECONDS = 0.001, 1e9  # --seconds: a timer's resolution; 30 years
+MAX_CARDS = 64  # --cards: more GPUs than any one machine has, each a process of its own
 
 if TYPE_CHECKING:
     from memprof.collect.launch.script import Target
@@ -119,8 +120,8 @@ def run(
         " representatives (0, 1, the second node's first, the middle, the last two); all:"
         " every rank.", show_default=False)] = None,
     cards: Annotated[int, typer.Option(
-        "--cards", min=1, metavar="N", help="The virtual GPUs the script's machine has"
-        " (torch.cuda.device_count() = N), for a script that starts a process per GPU"
+        "--cards", min=1, max=MAX_CARDS, metavar="N", help="The virtual GPUs the script's"
+        " machine has (torch.cuda.device_count() = N), for a script that starts a process per GPU"
         " itself (torch.multiprocessing.spawn): each process it spawns is followed, on the"
         " card it picks with torch.cuda.set_device. A torchrun-style script takes"
         " --nproc-per-node instead.")] = 1,
