@@ -74,3 +74,12 @@ def test_recurrent_layers_say_the_card_has_no_cudnn(gpu: VirtualGpu, capsys) -> 
     assert out.shape == (BATCH, 5, OUT) and out.is_cuda
     assert "no cuDNN behind the card: recurrent layers (nn.LSTM, nn.GRU, nn.RNN) run" \
         " PyTorch's own kernels" in capsys.readouterr().err
+
+
+def test_a_tensor_put_on_another_card_is_said_to_be_predicted_on_this_one(
+        gpu: VirtualGpu, capsys) -> None:
+    """Model parallelism by hand, or a rank's tensors on cuda:0: one card a process."""
+    x = torch.ones(BATCH, IN).to("cuda:1")
+    assert x.is_cuda and torch.cuda.memory_allocated() == block(BATCH * IN * F32)
+    assert "the script puts CUDA tensors on cuda:1, and this process's card is cuda:0: they" \
+        " are predicted on cuda:0" in capsys.readouterr().err

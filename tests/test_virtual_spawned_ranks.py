@@ -206,6 +206,7 @@ def worker(gpu):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=gpu,
                             world_size=2)
     torch.ones(1024, device="cuda")
+    dist.barrier()
     if gpu == 1:
         os._exit(3)  # no report: not even Python's exit
 

@@ -23,7 +23,7 @@ from torch.cuda._utils import _get_device_index
 
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.recorder import VirtualRecorder
-from memprof.collect.virtual.tensor import card_device, set_card_index
+from memprof.collect.virtual.tensor import card_device, elsewhere, set_card_index
 from memprof.trace.events import as_snapshot_events
 
 
@@ -181,6 +181,8 @@ def cuda_api(card: Card, recorder: VirtualRecorder, history: HistoryWindow, coun
                 f"{'s' * (count > 1)}; memprof run --cards N gives it N)")
         if index >= 0 and not recorder.allocated_total[0] and "LOCAL_RANK" not in os.environ:
             set_card_index(index)
+        elif index >= 0:
+            elsewhere(index)  # after its first tensors: they, and the rest, stay on its card
 
     cuda, memory, nvtx = torch.cuda, torch.cuda.memory, torch.cuda.nvtx
     answers: dict[str, Callable[..., Any] | type] = {

@@ -30,7 +30,13 @@ from memprof.collect.virtual.attention import sdpa
 from memprof.collect.virtual.cards import Card
 from memprof.collect.virtual.dtensors import is_dtensor, on_card, with_local
 from memprof.collect.virtual.subclasses import SET_DATA, host_twin, kind_of, plain, set_data
-from memprof.collect.virtual.tensor import HostVirtualTensor, VirtualTensor, adopt, virtual_like
+from memprof.collect.virtual.tensor import (
+    HostVirtualTensor,
+    VirtualTensor,
+    adopt,
+    elsewhere,
+    virtual_like,
+)
 from memprof.collect.virtual.unsupported import strided_only
 
 _META = torch.device("meta")
@@ -109,6 +115,7 @@ class CudaRouting(TorchFunctionMode):
         if device is None and func in _FACTORIES:
             device = _default_device()  # set_default_device("cuda") adds it below this mode
         if is_cuda_device(device):
+            elsewhere(device)
             out = func(*args, **{**kwargs, "device": _META})
             if not isinstance(out, torch.Tensor):
                 return out
@@ -277,6 +284,7 @@ def _to(t: torch.Tensor, args: tuple, kwargs: dict[str, Any], func: Any) -> torc
         return func(_inside(t), *args, **kwargs)
     if device is None or device.type != "cuda":
         return func(t, *args, **kwargs)
+    elsewhere(device)
     if kind_of(t) is not VirtualTensor and not on_card(t):
         return virtual_like(t, dtype)
     return func(t, device=_META, dtype=dtype or t.dtype, non_blocking=non_blocking,

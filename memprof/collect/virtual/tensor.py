@@ -54,6 +54,19 @@ def set_card_index(index: int) -> None:
     CUDA = torch.device("cuda", index)
 
 
+def elsewhere(device: object) -> None:
+    """Say once that the script put a tensor on another card than this process's (model
+    parallelism by hand, or a rank's tensors on ``cuda:0``): the prediction keeps them on
+    this process's card, where a machine would have them on the other."""
+    index = device if type(device) is int else getattr(
+        torch.device(device), "index", None) if isinstance(device, (str, torch.device)) \
+        else None
+    if index is not None and index != CUDA.index:
+        say(f"memprof: virtual GPU: the script puts CUDA tensors on cuda:{index}, and this"
+            f" process's card is cuda:{CUDA.index}: they are predicted on cuda:{CUDA.index}"
+            f" (one card a process); on a machine they would take cuda:{index}'s memory")
+
+
 def card_device() -> torch.device:
     """The virtual card's device, ``cuda:0`` unless ``set_card_index`` said otherwise."""
     return CUDA
