@@ -412,3 +412,13 @@ def test_the_html_format_puts_both_runs_side_by_side(runs, tmp_path):
     args[-1] = str(alone)
     assert CliRunner().invoke(app, [*args, "--format", "html", "-o", str(page)]).exit_code == 1
     assert page_data(page)["runs"][0]["devices"][0]["timeline"] is None
+
+
+def test_a_change_of_a_few_bytes_is_shown_in_bytes_not_as_zero_percent() -> None:
+    from memprof.gate.compare import DeviceVerdict
+    from memprof.gate.render import _change
+
+    few = DeviceVerdict(0, None, 16 << 20, (16 << 20) + 512, 0, "ok")
+    assert _change(few) == "+512 B"
+    some = DeviceVerdict(0, None, 100, 110, 0, "ok")
+    assert _change(some) == "+10.0%"

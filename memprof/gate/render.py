@@ -130,6 +130,8 @@ def _rank(d: DeviceVerdict) -> str:
 def _change(d: DeviceVerdict) -> str:
     if d.change is None:
         return f"+{human(d.delta)}" if d.delta else "0"
+    if d.delta and abs(d.change) < 0.0005:  # a few bytes: "+0.0%" would read as none
+        return f"{'+' if d.delta > 0 else '-'}{human(abs(d.delta))}"
     return f"{d.change:+.1%}"
 
 
