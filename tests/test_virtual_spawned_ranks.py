@@ -197,18 +197,28 @@ def test_a_torchrun_script_run_alone_is_told_to_launch_its_ranks(tmp_path: Path)
 CRASHING = """\
 import os
 import sys
+import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 def worker(gpu):
     torch.cuda.set_device(gpu)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=gpu,
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=gpu,
                             world_size=2)
     torch.ones(1024, device="cuda")
-    dist.barrier()
-    if gpu == 1:
-        os._exit(3)  # no report: not even Python's exit
+    if gpu == 0:
+        with open("rank-0.tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace("rank-0.tmp", "rank-0.pid")  # whole when rank 1 reads it
+        return
+    while not os.path.exists("rank-0.pid"):
+        time.sleep(0.05)
+    with open("rank-0.pid") as f:
+        pid = int(f.read())
+    while os.path.exists(f"/proc/{pid}"):  # rank 0 has ended, with its report
+        time.sleep(0.05)
+    os._exit(3)  # no report: not even Python's exit
 
 if __name__ == "__main__":
     mp.spawn(worker, nprocs=torch.cuda.device_count())
