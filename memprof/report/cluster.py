@@ -48,7 +48,7 @@ class RankPeak:
     world: int = 1  # the size of the world it was a rank of
     oom_request: int = 0  # the request that ran out of memory (bytes), where one did
     need: int = 0  # what its card must hold, where a re-run with the memory raised told
-    unreadable: bool = False  # a report is there that cannot be read as one
+    unreadable: Path | None = None  # a report there that cannot be read as one
 
     @property
     def on_card(self) -> int:
@@ -150,7 +150,7 @@ def _peak(rank: int, path: Path) -> RankPeak:
                           for d in devices), default=0),
                      int((run.get("need") or {}).get("total_bytes") or 0))
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
-        return RankPeak(rank, None, unreadable=path.exists())
+        return RankPeak(rank, None, unreadable=path if path.exists() else None)
 
 
 CLUSTER_SCHEMA = "memprof.cluster/1"
@@ -201,8 +201,7 @@ def worst_report(folder: Path) -> Path | None:
     cluster = read_cluster(folder)
     bad = next((r for r in cluster.ranks if r.unreadable), None)
     if bad is not None:
-        path = rank_reports(folder).get(bad.rank) or rank_folder(folder, bad.rank, 2)
-        raise MemprofError(f"{path}: rank {bad.rank}'s report cannot be read as a memprof"
+        raise MemprofError(f"{bad.unreadable}: rank {bad.rank}'s report cannot be read as a memprof"
                            " report; the run's answer needs every rank's: run it again")
     advised = cluster.advised()
     return advised.report if advised is not None else None
